@@ -1,0 +1,30 @@
+"""Gradient codecs: the :class:`Codec` interface, the registry, and the built-in codecs.
+
+Built in: ``"none"`` (identity) and ``"2bit"`` (MXNet-compatible threshold quantization with
+residuals). Get one with :func:`get_codec` or :func:`codec_from_spec`::
+
+    codec = codec_from_spec({"type": "2bit", "threshold": 0.5})
+"""
+
+from kvstore.codecs import identity, twobit  # noqa: F401  (registers the built-in codecs)
+from kvstore.codecs.base import (
+    Aggregator,
+    Codec,
+    Encoder,
+    accumulator_dtype,
+    codec_from_spec,
+    get_codec,
+    register_codec,
+    registered_codecs,
+)
+
+__all__ = [
+    "Aggregator",
+    "Codec",
+    "Encoder",
+    "accumulator_dtype",
+    "codec_from_spec",
+    "get_codec",
+    "register_codec",
+    "registered_codecs",
+]

@@ -1,0 +1,255 @@
+"""The codec interface and the codec registry.
+
+A codec turns one chunk of a worker's gradient into payload frames, and turns the frames of N
+workers back into one aggregate on the server. It is split into three objects, so that
+hyperparameters, per-worker state and per-server state never mix:
+
+* :class:`Codec` holds validated hyperparameters (``threshold``, ``k``, ``rank``...). It is cheap,
+  immutable, compared across workers via :meth:`Codec.spec`, and builds the two stateful parts.
+* :class:`Encoder` lives on a worker, one per key chunk. It owns the codec's per-worker state
+  (2-bit residuals, error-feedback memory, DGC momentum, PowerSGD's Q matrix) and the
+  preallocated output buffers, and lives where the value lives (CPU or GPU).
+* :class:`Aggregator` lives on a server, one per key chunk. It owns the round's accumulator and
+  turns each worker's payloads into its contribution (decode and sum for 2-bit; scatter-add of
+  index/value pairs for top-k; sum of factors for low-rank codecs).
+
+Payloads are a list of frames, so codecs with several parts (scale + packed codes, indices +
+values) need nothing special from the transport. :meth:`Codec.payload_nbytes` lets the server
+reject a malformed payload before it touches state; codecs with data-dependent sizes return
+``None`` and validate in :meth:`Aggregator.add`.
+
+The dense result of a round is ``Aggregator.result`` (in the accumulator dtype: fp32 for fp16/fp32
+values), which the server stores or hands to the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvstore.errors import CodecError
+
+Payloads = Sequence[Any]
+"""Payload frames: zmq Frames, numpy arrays, bytes or memoryviews."""
+
+ParamValue = bool | int | float | str | None
+
+_ACCUMULATOR_DTYPES = {
+    "float16": np.dtype(np.float32),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int32": np.dtype(np.int64),
+    "int64": np.dtype(np.int64),
+}
+
+
+def accumulator_dtype(dtype: str) -> np.dtype:
+    """The dtype a server sums and stores a key of ``dtype`` in (fp16 is kept in fp32)."""
+    try:
+        return _ACCUMULATOR_DTYPES[dtype]
+    except KeyError:
+        raise CodecError(
+            f"dtype {dtype!r} is not supported; supported: {sorted(_ACCUMULATOR_DTYPES)}"
+        ) from None
+
+
+def frame_array(frame: Any, dtype: np.dtype | type, count: int | None = None) -> np.ndarray:
+    """A read-only numpy view of a payload frame, without copying."""
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
+    arr = np.frombuffer(buf, dtype=dtype)
+    return arr if count is None else arr[:count]
+
+
+class Encoder(ABC):
+    """Worker-side encoder of one key chunk; holds the codec's per-worker state.
+
+    Attributes:
+        numel: elements per call.
+        dtype: the value dtype name.
+    """
+
+    def __init__(self, numel: int, dtype: str) -> None:
+        self.numel = numel
+        self.dtype = dtype
+
+    @abstractmethod
+    def encode(self, values: Any) -> list[Any]:
+        """Encode a flat, contiguous array of ``numel`` elements (numpy or CuPy).
+
+        Returns the payload frames as host buffers owned by the encoder. They stay valid until
+        the next ``encode`` call; the caller must not call ``encode`` again before the previous
+        frames were sent. When this returns, ``values`` is no longer needed.
+        """
+
+
+class Aggregator(ABC):
+    """Server-side accumulator of one key chunk for one round.
+
+    Attributes:
+        numel: elements of the chunk.
+        dtype: the value dtype name.
+        result: the dense accumulator (``accumulator_dtype(dtype)``), valid after ``add``.
+    """
+
+    def __init__(self, numel: int, dtype: str) -> None:
+        self.numel = numel
+        self.dtype = dtype
+        self.result = np.zeros(numel, dtype=accumulator_dtype(dtype))
+
+    @abstractmethod
+    def add(self, payloads: Payloads, first: bool) -> None:
+        """Decode one worker's payloads and add them to :attr:`result`.
+
+        ``first`` marks the round's first contribution: it overwrites :attr:`result` instead of
+        adding (no separate zeroing pass). Calls on one aggregator are serialized by the server;
+        calls on different aggregators may run on different threads at once.
+        """
+
+
+class Codec(ABC):
+    """Hyperparameters of a compression method, and the factory of its stateful parts.
+
+    Subclasses set :attr:`name` (the wire and registry name), :attr:`dtypes` (the value dtypes
+    they accept) and :attr:`param_defaults`, validate their parameters in ``__init__`` and
+    implement the abstract methods.
+    """
+
+    name: ClassVar[str]
+    dtypes: ClassVar[frozenset[str]]
+    param_defaults: ClassVar[dict[str, ParamValue]] = {}
+
+    def __init__(self, **params: Any) -> None:
+        unknown = set(params) - set(self.param_defaults)
+        if unknown:
+            accepted = ", ".join(sorted(self.param_defaults)) or "none"
+            raise CodecError(
+                f"unknown parameter(s) {sorted(unknown)} for codec {self.name!r}; "
+                f"accepted: {accepted}"
+            )
+        self._params: dict[str, ParamValue] = {**self.param_defaults, **params}
+
+    def params(self) -> dict[str, ParamValue]:
+        """The validated hyperparameters (as sent on the wire)."""
+        return dict(self._params)
+
+    def spec(self) -> dict[str, ParamValue]:
+        """``{"type": name, **params}``; two codecs are interchangeable iff their specs are equal."""
+        return {"type": self.name, **self.params()}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and self.spec() == other.spec()
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.spec().items())))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+    def check_dtype(self, dtype: str, what: str = "the value") -> None:
+        """Raise CodecError if this codec cannot encode values of ``dtype``."""
+        if dtype not in self.dtypes:
+            raise CodecError(
+                f"codec {self.name!r} supports {sorted(self.dtypes)} values, but {what} is {dtype}"
+            )
+
+    @abstractmethod
+    def payload_nbytes(self, numel: int, dtype: str) -> tuple[int, ...] | None:
+        """Byte length of each payload frame for a chunk of ``numel`` elements.
+
+        ``None`` means the sizes depend on the data; the aggregator then validates them.
+        """
+
+    @abstractmethod
+    def make_encoder(self, numel: int, dtype: str, device: Any = None) -> Encoder:
+        """A worker-side encoder; ``device`` is None for host memory or a CuPy device."""
+
+    @abstractmethod
+    def make_aggregator(self, numel: int, dtype: str) -> Aggregator:
+        """A server-side aggregator for a chunk of ``numel`` elements."""
+
+    def validate_payloads(self, payloads: Payloads, numel: int, dtype: str) -> None:
+        """Raise CodecError unless ``payloads`` have the sizes this codec produces."""
+        expected = self.payload_nbytes(numel, dtype)
+        if expected is None:
+            return
+        sizes = tuple(memoryview(getattr(p, "buffer", p)).nbytes for p in payloads)
+        if sizes != expected:
+            raise CodecError(
+                f"codec {self.name!r}: a chunk of {numel} {dtype} elements needs payload frames "
+                f"of {list(expected)} bytes, got {list(sizes)}"
+            )
+
+
+# Validation helpers for codec parameters -------------------------------------------------------
+
+
+def positive_float32(codec: str, name: str, value: Any) -> float:
+    """``value`` as the float32 it will be used as, required finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+        raise CodecError(
+            f"codec {codec!r}: {name} must be a number, got {type(value).__name__} {value!r}"
+        )
+    as32 = float(np.float32(value))
+    if not math.isfinite(float(value)) or not as32 > 0 or not math.isfinite(as32):
+        raise CodecError(f"codec {codec!r}: {name} must be a finite number > 0, got {value!r}")
+    return as32
+
+
+# Registry ------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator that registers a codec under ``cls.name``; a duplicate name raises."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise CodecError(f"{cls.__name__} has no codec name")
+    if name in _REGISTRY:
+        raise CodecError(
+            f"codec name {name!r} is already registered by {_REGISTRY[name].__qualname__}"
+        )
+    _REGISTRY[name] = cls
+    return cls
+
+
+def registered_codecs() -> list[str]:
+    """Names of all registered codecs, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_codec(name: str, **params: Any) -> Codec:
+    """Instantiate the codec registered as ``name`` with validated ``params``.
+
+    Raises:
+        CodecError: unknown name (the message lists the registered ones) or bad parameters.
+    """
+    if not isinstance(name, str):
+        raise CodecError(f"expected str for codec `type`, got {type(name).__name__}")
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise CodecError(
+            f"unknown codec {name!r}; registered codecs: {', '.join(registered_codecs())}"
+        )
+    return cls(**params)
+
+
+def codec_from_spec(spec: dict[str, Any]) -> Codec:
+    """Instantiate a codec from ``{"type": name, **params}`` (the compression-params dict)."""
+    if not isinstance(spec, dict):
+        raise CodecError(
+            f"compression params must be a dict like {{'type': '2bit', 'threshold': 0.5}}, "
+            f"got {type(spec).__name__}"
+        )
+    if "type" not in spec:
+        raise CodecError(
+            f"compression params need a 'type' (one of {', '.join(registered_codecs())}), "
+            f"got {spec!r}"
+        )
+    params = {k: v for k, v in spec.items() if k != "type"}
+    return get_codec(spec["type"], **params)

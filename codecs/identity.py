@@ -1,0 +1,65 @@
+"""The identity codec ``"none"``: values travel uncompressed, in their own dtype.
+
+Payload: one frame holding the chunk's ``numel`` elements, native (little-endian) byte order.
+The server sums in :func:`~kvstore.codecs.base.accumulator_dtype` (fp16 values are summed in fp32,
+int32 in int64).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvstore.codecs.base import (
+    Aggregator,
+    Codec,
+    Encoder,
+    Payloads,
+    frame_array,
+    register_codec,
+)
+from kvstore.codecs.xp import pinned_empty
+
+
+class _HostIdentityEncoder(Encoder):
+    """Copies the values into an owned buffer, so the caller's memory is free on return."""
+
+    def __init__(self, numel: int, dtype: str, pinned: bool = False) -> None:
+        super().__init__(numel, dtype)
+        self._buffer = pinned_empty(numel, dtype) if pinned else np.empty(numel, dtype=dtype)
+
+    def encode(self, values: Any) -> list[Any]:
+        if isinstance(values, np.ndarray):
+            np.copyto(self._buffer, values, casting="no")
+        else:  # a CuPy array: device-to-host copy into pinned memory
+            values.get(out=self._buffer)
+        return [self._buffer]
+
+
+class _IdentityAggregator(Aggregator):
+    def add(self, payloads: Payloads, first: bool) -> None:
+        values = frame_array(payloads[0], np.dtype(self.dtype), self.numel)
+        if first:
+            np.copyto(self.result, values)
+        else:
+            np.add(self.result, values, out=self.result)
+
+
+@register_codec
+class IdentityCodec(Codec):
+    """No compression: the dense value is sent as is."""
+
+    name = "none"
+    dtypes = frozenset({"float16", "float32", "float64", "int32", "int64"})
+
+    def payload_nbytes(self, numel: int, dtype: str) -> tuple[int, ...]:
+        return (numel * np.dtype(dtype).itemsize,)
+
+    def make_encoder(self, numel: int, dtype: str, device: Any = None) -> Encoder:
+        self.check_dtype(dtype)
+        return _HostIdentityEncoder(numel, dtype, pinned=device is not None)
+
+    def make_aggregator(self, numel: int, dtype: str) -> Aggregator:
+        self.check_dtype(dtype)
+        return _IdentityAggregator(numel, dtype)

@@ -1,0 +1,334 @@
+"""Configuration: the ``KVSTORE_*`` environment variables and the per-role config objects.
+
+This module is the single source of the environment variables. :data:`ENV_VARS` lists each with
+its type, default, the role that reads it and its meaning; README's table is checked against it
+by a test. Nothing reads the environment at import time: configs are built once per process with
+``from_env()``, and explicit arguments take precedence over the environment.
+
+A missing or malformed variable raises :class:`~kvstore.errors.ConfigError` naming the variable,
+the bad value, and pointing at ``kvstore-launch``, which sets the job variables for you.
+
+This module depends on nothing else in the package but :mod:`kvstore.errors`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvstore.errors import ConfigError
+
+LAUNCH_HINT = "start workers with `kvstore-launch -n N -s S -- python your_script.py`, which sets it"
+
+_ADDRESS_RE = re.compile(r"^(tcp://[^\s,:]+:\d{1,5}|inproc://[^\s,]+|ipc://[^\s,]+)$")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One documented environment variable."""
+
+    name: str
+    type: str
+    default: str
+    role: str
+    meaning: str
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(
+        "KVSTORE_SERVERS",
+        "comma-separated addresses",
+        "(required for dist_*)",
+        "worker",
+        "Server addresses in server-rank order, e.g. `tcp://10.0.0.1:9100,tcp://10.0.0.2:9100`.",
+    ),
+    EnvVar("KVSTORE_RANK", "int", "(required for dist_*)", "worker", "This worker's rank, 0..N-1."),
+    EnvVar(
+        "KVSTORE_NUM_WORKERS",
+        "int",
+        "(required for dist_*)",
+        "worker",
+        "N, the number of workers in the job.",
+    ),
+    EnvVar(
+        "KVSTORE_BIGARRAY_BOUND",
+        "int",
+        "1000000",
+        "worker",
+        "Keys with at least this many elements are split over all servers "
+        "(on 16-element boundaries); smaller keys live whole on one server. "
+        "Must be equal on all workers.",
+    ),
+    EnvVar(
+        "KVSTORE_PARTITION_BYTES",
+        "int",
+        "4194304",
+        "worker",
+        "Largest message payload, in bytes of the uncompressed value: each server's slice of a "
+        "key is cut into partitions of at most this size, so that encoding, sending, "
+        "server-side decoding and replies overlap. Must be equal on all workers.",
+    ),
+    EnvVar(
+        "KVSTORE_TIMEOUT",
+        "float seconds",
+        "0 (wait forever)",
+        "worker",
+        "Longest a blocking call (init, pull, barrier, set_optimizer, close) waits before "
+        "raising `KVStoreTimeoutError`.",
+    ),
+    EnvVar(
+        "KVSTORE_CONNECT_TIMEOUT",
+        "float seconds",
+        "60",
+        "worker",
+        "Longest `kvstore.create` waits for every server to answer its handshake.",
+    ),
+    EnvVar(
+        "KVSTORE_SERVER_THREADS",
+        "int",
+        "min(4, CPU count)",
+        "server",
+        "Threads that decode, aggregate and run the optimizer (the compiled kernels release "
+        "the GIL, so different keys are processed in parallel).",
+    ),
+    EnvVar(
+        "KVSTORE_CPU_KERNELS",
+        "`numba` or `numpy`",
+        "numba",
+        "worker, server",
+        "Implementation of the CPU codec kernels: the compiled numba kernels, or the "
+        "vectorised numpy reference (same bytes, slower).",
+    ),
+    EnvVar(
+        "KVSTORE_LOG_LEVEL",
+        "DEBUG, INFO, WARNING, ERROR",
+        "WARNING (servers: INFO)",
+        "all",
+        "Log level of the `kvstore` loggers.",
+    ),
+)
+
+ENV_VAR_NAMES = frozenset(v.name for v in ENV_VARS)
+
+DEFAULT_BIGARRAY_BOUND = 1_000_000
+DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
+DEFAULT_CONNECT_TIMEOUT = 60.0
+
+
+def _get(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def _require(env: Mapping[str, str], name: str, what: str) -> str:
+    value = _get(env, name)
+    if value is None:
+        raise ConfigError(f"{name} is not set: it must hold {what}; {LAUNCH_HINT}")
+    return value
+
+
+def parse_int(name: str, raw: str, *, minimum: int | None = None) -> int:
+    """Parse an integer setting, raising ConfigError that names the setting and the value."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={raw!r} must be >= {minimum}")
+    return value
+
+
+def parse_float(name: str, raw: str, *, minimum: float | None = None) -> float:
+    """Parse a float setting, raising ConfigError that names the setting and the value."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if value != value or (minimum is not None and value < minimum):
+        raise ConfigError(f"{name}={raw!r} must be a number >= {minimum}")
+    return value
+
+
+def parse_server_list(name: str, raw: str) -> tuple[str, ...]:
+    """Parse a comma-separated list of ZeroMQ addresses (``tcp://host:port``)."""
+    addresses = tuple(part.strip() for part in raw.split(","))
+    if not addresses or any(not a for a in addresses):
+        raise ConfigError(f"{name}={raw!r} has an empty entry; expected tcp://HOST:PORT,...")
+    for address in addresses:
+        if not _ADDRESS_RE.match(address):
+            raise ConfigError(
+                f"{name}={raw!r}: {address!r} is not an address of the form tcp://HOST:PORT"
+            )
+        if address.startswith("tcp://"):
+            port = int(address.rsplit(":", 1)[1])
+            if not 0 < port < 65536:
+                raise ConfigError(f"{name}={raw!r}: port {port} of {address!r} is out of range")
+    if len(set(addresses)) != len(addresses):
+        raise ConfigError(f"{name}={raw!r} lists the same server twice")
+    return addresses
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A worker's place in the job: the servers, its rank and the number of workers.
+
+    Attributes:
+        servers: server addresses in server-rank order.
+        rank: this worker's rank, ``0 <= rank < num_workers``.
+        num_workers: the number of workers N.
+    """
+
+    servers: tuple[str, ...]
+    rank: int
+    num_workers: int
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ConfigError("the server list is empty")
+        if self.num_workers < 1:
+            raise ConfigError(f"num_workers must be >= 1, got {self.num_workers}")
+        if not 0 <= self.rank < self.num_workers:
+            raise ConfigError(
+                f"rank {self.rank} is out of range for {self.num_workers} workers "
+                f"(KVSTORE_RANK must be in 0..{self.num_workers - 1})"
+            )
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.servers)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClusterConfig:
+        """Read ``KVSTORE_SERVERS``, ``KVSTORE_RANK`` and ``KVSTORE_NUM_WORKERS``."""
+        env = os.environ if env is None else env
+        servers = parse_server_list(
+            "KVSTORE_SERVERS", _require(env, "KVSTORE_SERVERS", "the server addresses")
+        )
+        rank = parse_int(
+            "KVSTORE_RANK", _require(env, "KVSTORE_RANK", "this worker's rank"), minimum=0
+        )
+        num_workers = parse_int(
+            "KVSTORE_NUM_WORKERS",
+            _require(env, "KVSTORE_NUM_WORKERS", "the number of workers"),
+            minimum=1,
+        )
+        if rank >= num_workers:
+            raise ConfigError(
+                f"KVSTORE_RANK={rank} is out of range for KVSTORE_NUM_WORKERS={num_workers}"
+            )
+        return cls(servers=servers, rank=rank, num_workers=num_workers)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Worker tunables (all have defaults; see :data:`ENV_VARS`).
+
+    Attributes:
+        bigarray_bound: keys with at least this many elements are split over all servers.
+        partition_bytes: largest uncompressed payload of one message.
+        timeout: longest wait of a blocking call in seconds; ``None`` waits forever.
+        connect_timeout: longest wait for the servers' handshake replies, in seconds.
+    """
+
+    bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    timeout: float | None = None
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.bigarray_bound < 1:
+            raise ConfigError(f"bigarray_bound must be >= 1, got {self.bigarray_bound}")
+        if self.partition_bytes < 64:
+            raise ConfigError(f"partition_bytes must be >= 64, got {self.partition_bytes}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ConfigError(f"timeout must be > 0 seconds or None, got {self.timeout}")
+        if not self.connect_timeout > 0:
+            raise ConfigError(f"connect_timeout must be > 0 seconds, got {self.connect_timeout}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> WorkerOptions:
+        """Read the worker tunables; keyword ``overrides`` (not None) win over the environment."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        raw = _get(env, "KVSTORE_BIGARRAY_BOUND")
+        if raw is not None:
+            values["bigarray_bound"] = parse_int("KVSTORE_BIGARRAY_BOUND", raw, minimum=1)
+        raw = _get(env, "KVSTORE_PARTITION_BYTES")
+        if raw is not None:
+            values["partition_bytes"] = parse_int("KVSTORE_PARTITION_BYTES", raw, minimum=64)
+        raw = _get(env, "KVSTORE_TIMEOUT")
+        if raw is not None:
+            timeout = parse_float("KVSTORE_TIMEOUT", raw, minimum=0.0)
+            values["timeout"] = timeout if timeout > 0 else None
+        raw = _get(env, "KVSTORE_CONNECT_TIMEOUT")
+        if raw is not None:
+            values["connect_timeout"] = parse_float("KVSTORE_CONNECT_TIMEOUT", raw, minimum=0.001)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def default_server_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """A shard server's settings (from ``kvstore-server`` flags).
+
+    Attributes:
+        host: interface to bind (``127.0.0.1``, ``0.0.0.0``, a hostname).
+        port: TCP port; 0 picks a free one.
+        server_rank: this server's rank, ``0 <= server_rank < num_servers``.
+        num_servers: S.
+        num_workers: N; a ``dist_sync`` round completes when all N workers pushed.
+        threads: executor threads for decode, aggregation and optimizer work.
+        bind: explicit ZeroMQ endpoint that overrides host and port (``inproc://...``).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    server_rank: int = 0
+    num_servers: int = 1
+    num_workers: int = 1
+    threads: int = field(default_factory=default_server_threads)
+    bind: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port {self.port} is out of range 0..65535")
+        if self.num_servers < 1:
+            raise ConfigError(f"--num-servers must be >= 1, got {self.num_servers}")
+        if self.num_workers < 1:
+            raise ConfigError(f"--num-workers must be >= 1, got {self.num_workers}")
+        if not 0 <= self.server_rank < self.num_servers:
+            raise ConfigError(
+                f"--server-rank {self.server_rank} is out of range for "
+                f"--num-servers {self.num_servers}"
+            )
+        if self.threads < 1:
+            raise ConfigError(f"server threads must be >= 1, got {self.threads}")
+
+
+def server_threads_from_env(env: Mapping[str, str] | None = None) -> int:
+    """``KVSTORE_SERVER_THREADS`` or the default."""
+    env = os.environ if env is None else env
+    raw = _get(env, "KVSTORE_SERVER_THREADS")
+    if raw is None:
+        return default_server_threads()
+    return parse_int("KVSTORE_SERVER_THREADS", raw, minimum=1)
+
+
+def cpu_kernels_from_env(env: Mapping[str, str] | None = None) -> str:
+    """``KVSTORE_CPU_KERNELS``: ``"numba"`` (default) or ``"numpy"``."""
+    env = os.environ if env is None else env
+    raw = _get(env, "KVSTORE_CPU_KERNELS")
+    if raw is None:
+        return "numba"
+    value = raw.lower()
+    if value not in ("numba", "numpy"):
+        raise ConfigError(f"KVSTORE_CPU_KERNELS={raw!r} must be 'numba' or 'numpy'")
+    return value

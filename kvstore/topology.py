@@ -1,0 +1,136 @@
+"""Topology: which server holds which part of a key. Pure functions, no sockets.
+
+Rules (DESIGN.md, "Sharding"):
+
+* A key with fewer than ``bigarray_bound`` elements lives whole on one server, chosen by
+  :func:`stable_key_hash` modulo the number of servers. The hash is the same on every worker, every
+  run and every Python version (blake2b of a typed encoding of the key; never the salted
+  builtin ``hash``).
+* A key with ``bigarray_bound`` elements or more is split into S contiguous slices, one per server
+  in server-rank order, with every boundary on a multiple of 16 elements so that a 2-bit word
+  (16 elements) never straddles two servers. Slice ``i`` covers words
+  ``[W*i//S, W*(i+1)//S)`` of the ``W = ceil(n/16)`` words; the last slice ends at ``n``.
+* Each slice is further cut into *chunks* of at most ``partition_elems`` elements (a multiple of
+  16), so that encoding, sending, server-side decoding and replies of one big key overlap. A chunk
+  is the unit of server state: it has its own round, optimizer state and reply.
+
+Every worker must use the same ``bigarray_bound`` and ``partition_elems``; the server checks that
+all workers declare the same chunks at init.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+Key = int | str
+
+WORD_ELEMS = 16
+"""Elements per 2-bit word; every shard and chunk boundary is a multiple of this."""
+
+
+def stable_key_hash(key: Key) -> int:
+    """A 64-bit hash of ``key`` that is identical on every machine and run.
+
+    ``int`` keys and ``str`` keys are hashed with a type tag, so ``1`` and ``"1"`` differ.
+    """
+    if isinstance(key, bool) or not isinstance(key, int | str):
+        raise TypeError(f"expected int or str for `key`, got {type(key).__name__}")
+    if isinstance(key, int):
+        data = b"i" + key.to_bytes(8, "little", signed=True)
+    else:
+        data = b"s" + key.encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def server_for_key(key: Key, num_servers: int) -> int:
+    """The server that holds a small (unsplit) key."""
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    return stable_key_hash(key) % num_servers
+
+
+def split_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Cut ``[0, numel)`` into ``parts`` contiguous ranges with boundaries on multiples of 16.
+
+    Ranges are as equal as 16-element granularity allows; some may be empty when
+    ``numel < 16 * parts``.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    words = -(-numel // WORD_ELEMS)
+    bounds = []
+    for i in range(parts):
+        start = min(numel, WORD_ELEMS * (words * i // parts))
+        stop = min(numel, WORD_ELEMS * (words * (i + 1) // parts))
+        bounds.append((start, stop))
+    return bounds
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One piece of a key held by one server.
+
+    Attributes:
+        index: position among the key's chunks (0-based); names the chunk on the wire.
+        server: rank of the server that holds it.
+        start: first element (in the flattened key).
+        stop: one past the last element.
+    """
+
+    index: int
+    server: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def partition_elems_for(partition_bytes: int, itemsize: int) -> int:
+    """Largest chunk length, in elements, for a partition size in bytes (a multiple of 16)."""
+    elems = max(1, partition_bytes // max(1, itemsize))
+    return max(WORD_ELEMS, elems // WORD_ELEMS * WORD_ELEMS)
+
+
+def plan_chunks(
+    key: Key,
+    numel: int,
+    num_servers: int,
+    *,
+    bigarray_bound: int,
+    partition_elems: int,
+) -> tuple[Chunk, ...]:
+    """All chunks of a key, in element order.
+
+    Args:
+        key: the key (its hash places small keys).
+        numel: number of elements of the value.
+        num_servers: S.
+        bigarray_bound: keys with at least this many elements are split over all servers.
+        partition_elems: the longest chunk, in elements; must be a positive multiple of 16.
+
+    Returns:
+        Chunks covering ``[0, numel)`` without gaps; a key of 0 elements has one empty chunk.
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if partition_elems < WORD_ELEMS or partition_elems % WORD_ELEMS:
+        raise ValueError(f"partition_elems must be a positive multiple of 16, got {partition_elems}")
+    if numel >= bigarray_bound and num_servers > 1:
+        slices = [(s, lo, hi) for s, (lo, hi) in enumerate(split_bounds(numel, num_servers))]
+    else:
+        slices = [(server_for_key(key, num_servers), 0, numel)]
+    chunks: list[Chunk] = []
+    for server, lo, hi in slices:
+        if hi == lo and numel > 0:
+            continue  # a server with nothing of this key
+        start = lo
+        while True:
+            stop = min(hi, start + partition_elems)
+            chunks.append(Chunk(len(chunks), server, start, stop))
+            start = stop
+            if start >= hi:
+                break
+    return tuple(chunks)

@@ -1,0 +1,350 @@
+"""The wire protocol: the only module that knows how a message is laid out.
+
+A message is a ZeroMQ multipart message::
+
+    +----------------------+-------------+-----+-------------+
+    | header (msgpack map) | payload 0   | ... | payload n-1 |
+    +----------------------+-------------+-----+-------------+
+
+(on the server's ROUTER socket a routing-identity frame precedes the header; the transport strips
+it before calling :func:`decode`).
+
+The header is a msgpack map with short string keys, packed with ``use_bin_type=True`` and
+unpacked with ``raw=False, strict_map_key=True``:
+
+==========  ==============================================================================
+``v``       protocol version (:data:`PROTOCOL_VERSION`); checked before anything else
+``op``      the operation (:class:`Op`)
+``id``      request id chosen by the worker, echoed by the reply
+...         the op's fields, in the order of :data:`SCHEMA` (key, chunk, dtype, shape, codec...)
+``nb``      list of the payload frames' byte lengths
+==========  ==============================================================================
+
+Payloads are raw contiguous buffers (numpy/pinned memory, packed codec words), never embedded in
+msgpack, sent with ``copy=False`` and received without copies. Nothing is ever pickled.
+
+:func:`decode` validates every inbound message before anyone acts on it: the version, the op, the
+field types (:data:`SCHEMA`), the dtype allowlist, shapes, and that the number and byte length of
+the payload frames equal what the header declares. Anything else raises
+:class:`~kvstore.errors.ProtocolError` naming what was wrong. Semantic checks that need state (is the
+key initialised, does the payload size fit the codec) are the server's, and also happen before
+any state changes.
+
+Changing the bytes of any message (see the golden tests) requires bumping
+:data:`PROTOCOL_VERSION`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from kvstore.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_KEY_LENGTH = 1024
+MAX_NDIM = 32
+MAX_PARAMS = 64
+
+DTYPES: frozenset[str] = frozenset({"float32", "float16", "float64", "int32", "int64"})
+"""Value dtypes accepted on the wire."""
+
+MODES: frozenset[str] = frozenset({"dist_sync", "dist_async", "local"})
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+class Op(IntEnum):
+    """Message operations. Requests go worker -> server; REPLY and ERROR go back."""
+
+    HELLO = 1
+    INIT = 2
+    PUSH = 3
+    PULL = 4
+    PUSHPULL = 5
+    BARRIER = 6
+    SET_OPTIMIZER = 7
+    BYE = 8
+    REPLY = 16
+    ERROR = 17
+
+
+# Field validators --------------------------------------------------------------------------
+
+
+def _check_key(name: str, value: Any) -> None:
+    if isinstance(value, bool):
+        raise ProtocolError(f"field {name!r}: a key must be an int or a str, got bool")
+    if isinstance(value, int):
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ProtocolError(f"field {name!r}: int key {value} does not fit in 64 bits")
+    elif isinstance(value, str):
+        if len(value) > MAX_KEY_LENGTH:
+            raise ProtocolError(f"field {name!r}: str key longer than {MAX_KEY_LENGTH} characters")
+    else:
+        raise ProtocolError(
+            f"field {name!r}: a key must be an int or a str, got {type(value).__name__}"
+        )
+
+
+def _check_uint(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT64_MAX:
+        raise ProtocolError(f"field {name!r} must be a non-negative int, got {value!r}")
+
+
+def _check_str(name: str, value: Any) -> None:
+    if not isinstance(value, str) or len(value) > 4096:
+        raise ProtocolError(f"field {name!r} must be a str, got {type(value).__name__}")
+
+
+def _check_dtype(name: str, value: Any) -> None:
+    if value not in DTYPES:
+        raise ProtocolError(
+            f"field {name!r}: dtype {value!r} is not allowed; allowed: {sorted(DTYPES)}"
+        )
+
+
+def _check_mode(name: str, value: Any) -> None:
+    if value not in MODES:
+        raise ProtocolError(f"field {name!r}: mode {value!r} is not one of {sorted(MODES)}")
+
+
+def _check_shape(name: str, value: Any) -> None:
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise ProtocolError(f"field {name!r} must be a list of at most {MAX_NDIM} dimensions")
+    for dim in value:
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim <= _INT64_MAX:
+            raise ProtocolError(f"field {name!r}: dimension {dim!r} is not a non-negative int")
+
+
+def _check_params(name: str, value: Any) -> None:
+    if not isinstance(value, dict) or len(value) > MAX_PARAMS:
+        raise ProtocolError(f"field {name!r} must be a map of at most {MAX_PARAMS} entries")
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise ProtocolError(f"field {name!r}: parameter names must be str")
+        if v is not None and not isinstance(v, bool | int | float | str):
+            raise ProtocolError(
+                f"field {name!r}: parameter {k!r} has unsupported type {type(v).__name__}"
+            )
+
+
+KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE = (
+    _check_key,
+    _check_uint,
+    _check_str,
+    _check_dtype,
+    _check_shape,
+    _check_params,
+    _check_mode,
+)
+
+# Per op: (field name, validator, required). The order is the order in the encoded header.
+SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
+    Op.HELLO: (
+        ("r", UINT, True),  # worker rank
+        ("nw", UINT, True),  # number of workers
+        ("ns", UINT, True),  # number of servers
+        ("si", UINT, True),  # the server rank this worker expects at this address
+        ("m", MODE, True),  # mode
+    ),
+    Op.INIT: (
+        ("k", KEY, True),
+        ("c", UINT, True),  # chunk index within the key
+        ("o", UINT, True),  # first element of the chunk within the key
+        ("n", UINT, True),  # elements in the chunk
+        ("dt", DTYPE, True),
+        ("sh", SHAPE, True),  # the whole key's shape
+        ("cd", STR, True),  # codec name
+        ("cp", PARAMS, True),  # codec parameters
+    ),
+    Op.PUSH: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True)),
+    Op.PULL: (("k", KEY, True), ("c", UINT, True)),
+    Op.PUSHPULL: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True)),
+    Op.BARRIER: (),
+    Op.SET_OPTIMIZER: (("opt", STR, True), ("hp", PARAMS, True)),
+    Op.BYE: (),
+    Op.REPLY: (("sr", UINT, False), ("n", UINT, False), ("dt", DTYPE, False)),
+    Op.ERROR: (("code", STR, True), ("msg", STR, True)),
+}
+
+# Ops whose payload frame count is fixed by the protocol (others depend on the codec).
+_PAYLOAD_COUNT: dict[Op, tuple[int, ...]] = {
+    Op.HELLO: (0,),
+    Op.INIT: (0, 1),
+    Op.PULL: (0,),
+    Op.BARRIER: (0,),
+    Op.SET_OPTIMIZER: (0,),
+    Op.BYE: (0,),
+    Op.ERROR: (0,),
+}
+
+
+@dataclass(slots=True)
+class Message:
+    """A decoded, validated message.
+
+    Attributes:
+        op: the operation.
+        rid: the request id.
+        fields: the op's header fields (see :data:`SCHEMA`).
+        payloads: the payload frames (``zmq.Frame``, bytes or memoryviews), in order.
+    """
+
+    op: Op
+    rid: int
+    fields: dict[str, Any]
+    payloads: list[Any]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+def _nbytes(buffer: Any) -> int:
+    if isinstance(buffer, bytes | bytearray):
+        return len(buffer)
+    nbytes = getattr(buffer, "nbytes", None)  # numpy, memoryview
+    if nbytes is not None:
+        return int(nbytes)
+    buf = getattr(buffer, "buffer", None)  # zmq.Frame
+    if buf is not None:
+        return memoryview(buf).nbytes
+    return memoryview(buffer).nbytes
+
+
+def _header_bytes(frame: Any) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    raw = getattr(frame, "bytes", None)  # zmq.Frame
+    if isinstance(raw, bytes):
+        return raw
+    return bytes(memoryview(frame))
+
+
+def encode(
+    op: Op, rid: int, fields: dict[str, Any] | None = None, payloads: Sequence[Any] = ()
+) -> list[Any]:
+    """Build the frames of one message.
+
+    Args:
+        op: the operation.
+        rid: the request id (a reply echoes the request's).
+        fields: the op's header fields; validated against :data:`SCHEMA`.
+        payloads: buffers (numpy arrays, bytes, memoryviews); they are not copied.
+
+    Returns:
+        ``[header, *payloads]``, ready for ``send_multipart(..., copy=False)``.
+
+    Raises:
+        ProtocolError: a field is missing, unknown or of the wrong type.
+    """
+    fields = fields or {}
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": int(op), "id": rid}
+    _check_uint("id", rid)
+    schema = SCHEMA[op]
+    known = {name for name, _, _ in schema}
+    unknown = set(fields) - known
+    if unknown:
+        raise ProtocolError(f"{op.name}: unknown fields {sorted(unknown)}")
+    for name, check, required in schema:
+        if name in fields:
+            check(name, fields[name])
+            header[name] = fields[name]
+        elif required:
+            raise ProtocolError(f"{op.name}: missing field {name!r}")
+    header["nb"] = [_nbytes(p) for p in payloads]
+    return [msgpack.packb(header, use_bin_type=True), *payloads]
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Validate and decode one message (without the ROUTER identity frame).
+
+    Raises:
+        ProtocolError: naming the first thing wrong with the message.
+    """
+    if not frames:
+        raise ProtocolError("empty message: expected a header frame")
+    raw = _header_bytes(frames[0])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES} limit")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported (this side speaks version "
+            f"{PROTOCOL_VERSION}); run the same pskv version on workers and servers"
+        )
+    try:
+        op = Op(header.get("op"))
+    except ValueError:
+        raise ProtocolError(f"unknown op {header.get('op')!r}") from None
+    rid = header.get("id")
+    _check_uint("id", rid)
+    nbytes = header.get("nb")
+    if not isinstance(nbytes, list):
+        raise ProtocolError("field 'nb' (payload lengths) is missing or not a list")
+    payloads = list(frames[1:])
+    if len(nbytes) != len(payloads):
+        raise ProtocolError(
+            f"{op.name}: header declares {len(nbytes)} payload frames but {len(payloads)} arrived"
+        )
+    for i, (declared, frame) in enumerate(zip(nbytes, payloads, strict=True)):
+        _check_uint("nb", declared)
+        actual = _nbytes(frame)
+        if actual != declared:
+            raise ProtocolError(
+                f"{op.name}: payload {i} has {actual} bytes but the header declares {declared}"
+            )
+    allowed_counts = _PAYLOAD_COUNT.get(op)
+    if allowed_counts is not None and len(payloads) not in allowed_counts:
+        raise ProtocolError(f"{op.name} carries {len(payloads)} payload frames")
+    schema = SCHEMA[op]
+    fields: dict[str, Any] = {}
+    for name, check, required in schema:
+        if name in header:
+            check(name, header[name])
+            fields[name] = header[name]
+        elif required:
+            raise ProtocolError(f"{op.name}: missing field {name!r}")
+    unknown = set(header) - {"v", "op", "id", "nb"} - set(fields)
+    if unknown:
+        raise ProtocolError(f"{op.name}: unknown fields {sorted(unknown)}")
+    return Message(op=op, rid=rid, fields=fields, payloads=payloads)
+
+
+def reply(rid: int, fields: dict[str, Any] | None = None, payloads: Sequence[Any] = ()) -> list:
+    """Frames of a REPLY to request ``rid``."""
+    return encode(Op.REPLY, rid, fields, payloads)
+
+
+def error(rid: int, code: str, message: str) -> list:
+    """Frames of an ERROR reply to request ``rid``."""
+    return encode(Op.ERROR, rid, {"code": str(code), "msg": message})
+
+
+def peek_request_id(frames: Sequence[Any]) -> int:
+    """Best-effort request id of a message that failed validation (0 when unreadable).
+
+    Lets the server address its error reply to the request the worker is waiting on.
+    """
+    try:
+        header = msgpack.unpackb(_header_bytes(frames[0]), raw=False, strict_map_key=False)
+        rid = header.get("id", 0) if isinstance(header, dict) else 0
+        return rid if isinstance(rid, int) and 0 <= rid <= _INT64_MAX else 0
+    except Exception:
+        return 0
