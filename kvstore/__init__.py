@@ -1,2 +1,64 @@
-"""pskv: a parameter-server key-value store for data-parallel deep learning."""
+"""pskv: a parameter-server key-value store for data-parallel deep learning.
+
+Public surface::
+
+    import kvstore
+    kv = kvstore.create("dist_sync")   # "dist_sync" | "dist_async" | "local"
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    kv.init(key, value); kv.push(key, grad); kv.pull(key, out=value)
+
+The worker client is imported lazily, so importing ``kvstore`` (or ``kvstore.server``) never
+touches CuPy, torch or the worker's sockets.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from kvstore._version import __version__
+from kvstore.api import MODES, create
+from kvstore.errors import (
+    CodecError,
+    ConfigError,
+    ConnectionLostError,
+    DuplicateInitError,
+    KeyNotInitializedError,
+    KVStoreError,
+    KVStoreTimeoutError,
+    OptimizerError,
+    ProtocolError,
+    RemoteError,
+    UsageError,
+    ValueMismatchError,
+)
+
+if TYPE_CHECKING:
+    from kvstore.worker.client import KVStore, TrafficStats
+
+__all__ = [
+    "MODES",
+    "CodecError",
+    "ConfigError",
+    "ConnectionLostError",
+    "DuplicateInitError",
+    "KVStore",
+    "KVStoreError",
+    "KVStoreTimeoutError",
+    "KeyNotInitializedError",
+    "OptimizerError",
+    "ProtocolError",
+    "RemoteError",
+    "TrafficStats",
+    "UsageError",
+    "ValueMismatchError",
+    "__version__",
+    "create",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("KVStore", "TrafficStats"):
+        from kvstore.worker import client  # noqa: PLC0415
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'kvstore' has no attribute {name!r}")

@@ -210,7 +210,8 @@ class Message:
         return self.fields.get(name, default)
 
 
-def _nbytes(buffer: Any) -> int:
+def buffer_nbytes(buffer: Any) -> int:
+    """Byte length of a buffer (bytes, numpy array, memoryview or zmq.Frame)."""
     if isinstance(buffer, bytes | bytearray):
         return len(buffer)
     nbytes = getattr(buffer, "nbytes", None)  # numpy, memoryview
@@ -262,7 +263,7 @@ def encode(
             header[name] = fields[name]
         elif required:
             raise ProtocolError(f"{op.name}: missing field {name!r}")
-    header["nb"] = [_nbytes(p) for p in payloads]
+    header["nb"] = [buffer_nbytes(p) for p in payloads]
     return [msgpack.packb(header, use_bin_type=True), *payloads]
 
 
@@ -305,7 +306,7 @@ def decode(frames: Sequence[Any]) -> Message:
         )
     for i, (declared, frame) in enumerate(zip(nbytes, payloads, strict=True)):
         _check_uint("nb", declared)
-        actual = _nbytes(frame)
+        actual = buffer_nbytes(frame)
         if actual != declared:
             raise ProtocolError(
                 f"{op.name}: payload {i} has {actual} bytes but the header declares {declared}"

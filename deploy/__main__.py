@@ -1,0 +1,95 @@
+"""``kvstore-launch``: start servers and workers of a job and supervise them.
+
+Usage::
+
+    kvstore-launch -n N [-s S] [--launcher local|ssh] [-H HOSTFILE] -- COMMAND ARGS...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvstore.deploy.backends import LocalBackend, SSHBackend, read_hostfile
+from kvstore.deploy.supervisor import Supervisor
+from kvstore.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore-launch",
+        description="Start S kvstore servers and N copies of COMMAND as workers.",
+        epilog="Example: kvstore-launch -n 2 -s 2 -- python train.py --epochs 3",
+    )
+    parser.add_argument("-n", "--num-workers", type=int, required=True, help="workers N")
+    parser.add_argument(
+        "-s", "--num-servers", type=int, default=None, help="servers S (default: N)"
+    )
+    parser.add_argument("--launcher", choices=("local", "ssh"), default="local")
+    parser.add_argument("-H", "--hostfile", help="hosts for the ssh launcher, one per line")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="interface local servers bind (default 127.0.0.1)"
+    )
+    parser.add_argument("--server-threads", type=int, default=None, help="threads per server")
+    parser.add_argument(
+        "--startup-timeout", type=float, default=60.0, help="seconds to wait for servers"
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="VAR",
+        help="(ssh) pass this local environment variable on to remote processes",
+    )
+    parser.add_argument("--python", default="python3", help="(ssh) interpreter on the hosts")
+    parser.add_argument(
+        "--ssh-command", default="ssh -o BatchMode=yes", help="(ssh) ssh client and options"
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        parser.error("give the worker command after --, e.g. -- python train.py")
+    if args.num_workers < 1:
+        parser.error(f"-n must be >= 1, got {args.num_workers}")
+    num_servers = args.num_servers if args.num_servers is not None else args.num_workers
+    if num_servers < 1:
+        parser.error(f"-s must be >= 1, got {num_servers}")
+    try:
+        if args.launcher == "ssh":
+            if not args.hostfile:
+                parser.error("--launcher ssh needs -H HOSTFILE")
+            backend = SSHBackend(
+                read_hostfile(args.hostfile),
+                num_servers=num_servers,
+                ssh_command=args.ssh_command.split(),
+                python=args.python,
+                forward_env=args.env,
+            )
+        else:
+            if args.hostfile:
+                parser.error("-H is for --launcher ssh")
+            backend = LocalBackend(args.host)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    supervisor = Supervisor(
+        backend,
+        args.num_workers,
+        num_servers,
+        command,
+        startup_timeout=args.startup_timeout,
+        server_threads=args.server_threads,
+    )
+    return supervisor.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

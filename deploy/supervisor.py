@@ -1,0 +1,284 @@
+"""Starts a job's servers and workers, forwards their output, and stops them all on failure.
+
+The sequence:
+
+1. start S servers (``python -m kvstore.server --port 0 ...``) and wait for each one's
+   ``KVSTORE_READY tcp://HOST:PORT`` line;
+2. start N workers running the user's command with ``KVSTORE_SERVERS``, ``KVSTORE_RANK``,
+   ``KVSTORE_NUM_WORKERS`` and ``KVSTORE_NUM_SERVERS`` set;
+3. forward every line each child prints, prefixed with ``[server I]`` or ``[worker R]``;
+4. when all workers exit 0, stop the servers and return 0. When any child fails first (a worker
+   exits non-zero, a server exits at all, or a server never gets ready), say which one, stop all
+   the others, and return its exit code (``128 + signal`` for a child killed by a signal).
+
+Every child runs in a session of its own and is stopped through its process-group id, which is
+its pid (SIGTERM, then SIGKILL after a grace period): never by name, and its own children (data
+loader processes) go with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from kvstore.deploy.backends import Backend
+
+READY_PREFIX = "KVSTORE_READY"
+
+
+@dataclass
+class Child:
+    """One started process."""
+
+    role: str
+    rank: int
+    process: subprocess.Popen[bytes]
+    ready: threading.Event = field(default_factory=threading.Event)
+    address: str | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.rank}"
+
+    def describe_exit(self) -> str:
+        code = self.process.returncode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"was killed by {name}"
+        return f"exited with code {code}"
+
+
+def exit_status(code: int | None) -> int:
+    """A shell-style exit status: the code, or 128 + N for a child killed by signal N."""
+    if code is None:
+        return 1
+    return 128 - code if code < 0 else code
+
+
+class Supervisor:
+    """Runs one job; see the module docstring.
+
+    Args:
+        backend: where and how processes start.
+        num_workers: N.
+        num_servers: S.
+        command: the worker command (argv).
+        startup_timeout: seconds to wait for the servers' READY lines.
+        stop_timeout: grace period between SIGTERM and SIGKILL.
+        server_threads: ``--threads`` of each server (None: the server's default).
+        out, err: where to forward output (default: this process's stdout and stderr).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        num_workers: int,
+        num_servers: int,
+        command: Sequence[str],
+        *,
+        startup_timeout: float = 60.0,
+        stop_timeout: float = 10.0,
+        server_threads: int | None = None,
+        out: IO[bytes] | None = None,
+        err: IO[bytes] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.num_workers = num_workers
+        self.num_servers = num_servers
+        self.command = list(command)
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.server_threads = server_threads
+        self._out = out if out is not None else sys.stdout.buffer
+        self._err = err if err is not None else sys.stderr.buffer
+        self._write_lock = threading.Lock()
+        self.children: list[Child] = []
+        self._interrupted: int | None = None
+
+    # output ------------------------------------------------------------------------------------
+
+    def _emit(self, stream: IO[bytes], prefix: bytes, line: bytes) -> None:
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        with self._write_lock:
+            stream.write(prefix + line)
+            stream.flush()
+
+    def say(self, message: str) -> None:
+        """A line of the launcher's own (on stderr)."""
+        self._emit(self._err, b"", f"kvstore-launch: {message}".encode())
+
+    def _pump(self, child: Child, source: IO[bytes], sink: IO[bytes], watch_ready: bool) -> None:
+        prefix = f"[{child.label}] ".encode()
+        for line in iter(source.readline, b""):
+            if watch_ready and not child.ready.is_set():
+                text = line.decode("utf-8", "replace").strip()
+                if text.startswith(READY_PREFIX):
+                    child.address = text[len(READY_PREFIX) :].strip()
+                    child.ready.set()
+                    continue
+            self._emit(sink, prefix, line)
+        source.close()
+
+    # processes ---------------------------------------------------------------------------------
+
+    def _start(self, role: str, rank: int, argv: Sequence[str], env: dict[str, str]) -> Child:
+        spec = self.backend.child(role, rank, argv, env)
+        process = subprocess.Popen(
+            spec.argv,
+            env=spec.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: stopped as a whole by its pid
+        )
+        child = Child(role, rank, process)
+        for source, sink, watch in (
+            (process.stdout, self._out, role == "server"),
+            (process.stderr, self._err, False),
+        ):
+            thread = threading.Thread(
+                target=self._pump, args=(child, source, sink, watch), daemon=True
+            )
+            thread.start()
+            child.threads.append(thread)
+        self.children.append(child)
+        return child
+
+    def _server_argv(self, rank: int) -> list[str]:
+        argv = [
+            self.backend.server_python(),
+            "-m",
+            "kvstore.server",
+            "--host",
+            self.backend.server_host(rank),
+            "--port",
+            "0",
+            "--server-rank",
+            str(rank),
+            "--num-servers",
+            str(self.num_servers),
+            "--num-workers",
+            str(self.num_workers),
+        ]
+        if self.server_threads is not None:
+            argv += ["--threads", str(self.server_threads)]
+        return argv
+
+    def stop_all(self) -> None:
+        """Stop every child still running: SIGTERM to its group, SIGKILL after the grace time."""
+        running = [c for c in self.children if c.process.poll() is None]
+        for child in running:
+            self._signal(child, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        for child in running:
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal(child, signal.SIGKILL)
+                child.process.wait()
+        for child in self.children:
+            for thread in child.threads:
+                thread.join(timeout=5.0)
+
+    @staticmethod
+    def _signal(child: Child, sig: int) -> None:
+        try:
+            os.killpg(child.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._interrupted = signum
+
+    # the job -----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run the job to completion; returns the launcher's exit status."""
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._on_signal)
+        try:
+            return self._run()
+        finally:
+            self.stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _run(self) -> int:
+        servers = [
+            self._start("server", rank, self._server_argv(rank), {})
+            for rank in range(self.num_servers)
+        ]
+        status = self._wait_ready(servers)
+        if status is not None:
+            return status
+        addresses = ",".join(s.address or "" for s in servers)
+        workers = []
+        for rank in range(self.num_workers):
+            env = {
+                "KVSTORE_SERVERS": addresses,
+                "KVSTORE_RANK": str(rank),
+                "KVSTORE_NUM_WORKERS": str(self.num_workers),
+                "KVSTORE_NUM_SERVERS": str(self.num_servers),
+                "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
+            }
+            try:
+                workers.append(self._start("worker", rank, self.command, env))
+            except OSError as exc:
+                self.say(f"cannot start worker {rank} ({self.command[0]}): {exc}")
+                return 127
+        return self._watch(servers, workers)
+
+    def _wait_ready(self, servers: list[Child]) -> int | None:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self._interrupted is not None:
+                return 128 + self._interrupted
+            for server in servers:
+                if not server.ready.is_set() and server.process.poll() is not None:
+                    # Let its output arrive before saying why it failed.
+                    for thread in server.threads:
+                        thread.join(timeout=2.0)
+                    self.say(f"{server.label} {server.describe_exit()} before it was ready")
+                    return exit_status(server.process.returncode) or 1
+            if all(s.ready.is_set() for s in servers):
+                return None
+            if time.monotonic() > deadline:
+                late = [s.label for s in servers if not s.ready.is_set()]
+                self.say(f"{', '.join(late)} not ready after {self.startup_timeout:.0f} s")
+                return 1
+            time.sleep(0.02)
+
+    def _watch(self, servers: list[Child], workers: list[Child]) -> int:
+        while True:
+            if self._interrupted is not None:
+                self.say(f"interrupted by {signal.Signals(self._interrupted).name}; stopping")
+                return 128 + self._interrupted
+            for worker in workers:
+                code = worker.process.poll()
+                if code is not None and code != 0:
+                    self.say(f"{worker.label} {worker.describe_exit()}; stopping the others")
+                    return exit_status(code)
+            for server in servers:
+                if server.process.poll() is not None:
+                    self.say(
+                        f"{server.label} {server.describe_exit()} while workers were running; "
+                        f"stopping the others"
+                    )
+                    return exit_status(server.process.returncode) or 1
+            if all(w.process.poll() == 0 for w in workers):
+                return 0
+            time.sleep(0.05)

@@ -1,0 +1,119 @@
+"""``kvstore.create``: the factory over the store modes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.config import ClusterConfig, WorkerOptions
+from kvstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvstore.worker.client import KVStore
+
+MODES: tuple[str, ...] = ("dist_sync", "dist_async", "local")
+"""The store types :func:`create` accepts."""
+
+
+def _cluster(
+    env: Mapping[str, str],
+    servers: Sequence[str] | str | None,
+    rank: int | None,
+    num_workers: int | None,
+) -> ClusterConfig:
+    if servers is None and rank is None and num_workers is None:
+        return ClusterConfig.from_env(env)
+    merged = dict(env)
+    if servers is not None:
+        merged["KVSTORE_SERVERS"] = servers if isinstance(servers, str) else ",".join(servers)
+    if rank is not None:
+        merged["KVSTORE_RANK"] = str(rank)
+    if num_workers is not None:
+        merged["KVSTORE_NUM_WORKERS"] = str(num_workers)
+    return ClusterConfig.from_env(merged)
+
+
+def create(
+    name: str = "local",
+    *,
+    servers: Sequence[str] | str | None = None,
+    rank: int | None = None,
+    num_workers: int | None = None,
+    timeout: float | None = None,
+    connect_timeout: float | None = None,
+    bigarray_bound: int | None = None,
+    partition_bytes: int | None = None,
+) -> KVStore:
+    """Create a store and connect it to its servers.
+
+    ``dist_sync`` and ``dist_async`` read the worker's place in the job from ``KVSTORE_SERVERS``,
+    ``KVSTORE_RANK`` and ``KVSTORE_NUM_WORKERS`` (set by ``kvstore-launch``); the keyword
+    arguments override them. ``local`` needs no environment: it starts an in-process server.
+
+    Args:
+        name: ``"dist_sync"``, ``"dist_async"`` or ``"local"``.
+        servers: server addresses in rank order (overrides ``KVSTORE_SERVERS``).
+        rank: this worker's rank (overrides ``KVSTORE_RANK``).
+        num_workers: N (overrides ``KVSTORE_NUM_WORKERS``).
+        timeout: longest wait of a blocking call, seconds (overrides ``KVSTORE_TIMEOUT``).
+        connect_timeout: longest wait for the servers' handshake (``KVSTORE_CONNECT_TIMEOUT``).
+        bigarray_bound: split keys of at least this many elements (``KVSTORE_BIGARRAY_BOUND``).
+        partition_bytes: largest message payload (``KVSTORE_PARTITION_BYTES``).
+
+    Raises:
+        ValueError: unknown ``name`` (the message lists the valid ones).
+        ConfigError: a missing or malformed setting, naming the variable.
+        ConnectionLostError: a server did not answer the handshake in time.
+
+    Example::
+
+        kv = kvstore.create("dist_sync")
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        kv.init("w", weights)
+        kv.push("w", grad)
+        kv.pull("w", out=weights)
+    """
+    from kvstore.worker.client import KVStore  # noqa: PLC0415  (workers only)
+
+    if not isinstance(name, str):
+        raise TypeError(f"expected str for `name`, got {type(name).__name__}")
+    mode = name.lower()
+    if mode not in MODES:
+        raise ValueError(f"unknown kvstore type {name!r}; valid types: {', '.join(MODES)}")
+    options = WorkerOptions.from_env(
+        os.environ,
+        timeout=timeout,
+        connect_timeout=connect_timeout,
+        bigarray_bound=bigarray_bound,
+        partition_bytes=partition_bytes,
+    )
+    if mode == "local":
+        if servers is not None or (num_workers not in (None, 1)) or rank not in (None, 0):
+            raise ConfigError("the local mode runs one worker (rank 0) with its own server")
+        return _create_local(options)
+    cluster = _cluster(os.environ, servers, rank, num_workers)
+    return KVStore(mode, cluster, options)
+
+
+def _create_local(options: WorkerOptions) -> KVStore:
+    import zmq  # noqa: PLC0415
+
+    from kvstore.local import LocalServerThread  # noqa: PLC0415
+    from kvstore.worker.client import KVStore  # noqa: PLC0415
+
+    context = zmq.Context()
+    server = LocalServerThread(context)
+
+    def stop() -> None:
+        server.stop()
+        context.term()
+
+    cluster = ClusterConfig(servers=(server.address,), rank=0, num_workers=1)
+    try:
+        return KVStore("local", cluster, options, context=context, on_close=stop)
+    except BaseException:
+        stop()
+        raise
+
+

@@ -1,0 +1,85 @@
+"""``kvstore-server``: run one shard server until SIGTERM or SIGINT.
+
+Once bound it prints exactly one line, ``KVSTORE_READY tcp://HOST:PORT``, on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+from kvstore import _logging
+from kvstore.config import ServerConfig, server_threads_from_env
+from kvstore.errors import ConfigError
+from kvstore.server.server import ShardServer
+
+READY_PREFIX = "KVSTORE_READY"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
+    parser = argparse.ArgumentParser(
+        prog="kvstore-server", description="Run one kvstore shard server."
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one")
+    parser.add_argument("--server-rank", type=int, default=0, help="this server's rank I")
+    parser.add_argument("--num-servers", type=int, default=1, help="number of servers S")
+    parser.add_argument("--num-workers", type=int, required=True, help="number of workers N")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="decode/aggregate/optimizer threads (default: KVSTORE_SERVER_THREADS or min(4, CPUs))",
+    )
+    args = parser.parse_args(argv)
+    try:
+        threads = args.threads if args.threads is not None else server_threads_from_env()
+        return ServerConfig(
+            host=args.host,
+            port=args.port,
+            server_rank=args.server_rank,
+            num_servers=args.num_servers,
+            num_workers=args.num_workers,
+            threads=threads,
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+async def serve(config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; print the READY line once bound."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = ShardServer(config)
+    try:
+        address = await server.start()
+    except OSError as exc:
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        return 1
+    print(f"{READY_PREFIX} {address}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    _logging.configure(f"server {config.server_rank}", default_level="INFO")
+    try:
+        import uvloop  # noqa: PLC0415
+
+        return uvloop.run(serve(config))
+    except ImportError:  # uvloop is not available on every platform
+        return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

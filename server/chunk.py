@@ -1,0 +1,145 @@
+"""Server state of one key chunk: its value, its round, its optimizer state.
+
+A chunk (see :mod:`kvstore.topology`) is the unit of server state: every chunk has its own
+``dist_sync`` round, so the chunks of one big key are received, decoded, aggregated, updated and
+replied independently and overlap.
+
+Values live in two dtypes when needed: the *wire* dtype that pushes and pulls use (the key's
+dtype) and the *accumulator* dtype the server sums and updates in (float32 for float16 keys, int64
+for int32 keys; see :func:`kvstore.codecs.accumulator_dtype`). When they are the same the
+published array is the weights, and updates are written out of place into a spare array
+(:mod:`kvstore.server.published`); otherwise a master copy in the accumulator dtype is updated in
+place and cast into the spare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvstore.codecs import Aggregator, Codec, accumulator_dtype
+from kvstore.server.optimizers import Optimizer
+from kvstore.server.published import PublishedValue
+from kvstore.topology import Key
+
+
+class PendingReply(NamedTuple):
+    """Where and how to answer a request later.
+
+    Attributes:
+        identity: the worker's ROUTER routing id.
+        rid: the request id.
+        rank: the worker's rank.
+        want_value: reply with the chunk's value (pull, pushpull) rather than an empty ack.
+    """
+
+    identity: bytes
+    rid: int
+    rank: int
+    want_value: bool
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What a worker declares about a chunk at init; all workers must declare the same."""
+
+    key: Key
+    index: int
+    start: int
+    numel: int
+    dtype: str
+    shape: tuple[int, ...]
+    codec: tuple[tuple[str, Any], ...]
+
+    def describe(self) -> str:
+        codec = dict(self.codec)
+        return (
+            f"shape {self.shape} {self.dtype}, elements [{self.start}, {self.start + self.numel}), "
+            f"compression {codec}"
+        )
+
+    @property
+    def name(self) -> str:
+        return f"key {self.key!r} chunk {self.index}"
+
+
+@dataclass
+class Deferred:
+    """A push that arrived while its worker already had a push in the current round."""
+
+    reply: PendingReply
+    payloads: list[Any]
+
+
+@dataclass
+class ChunkState:
+    """Everything a server keeps for one chunk."""
+
+    spec: ChunkSpec
+    codec: Codec
+    declared: dict[int, ChunkSpec] = field(default_factory=dict)
+    init_waiters: list[PendingReply] = field(default_factory=list)
+    value: PublishedValue | None = None
+    master: np.ndarray | None = None
+    _aggregator: Aggregator | None = None
+    # round bookkeeping (dist_sync)
+    round_ranks: set[int] = field(default_factory=set)
+    round_replies: list[PendingReply] = field(default_factory=list)
+    round_error: BaseException | None = None
+    accumulated: int = 0
+    deferred: deque[Deferred] = field(default_factory=deque)
+    # pushes received from each rank and not yet applied; pulls wait for their own rank's
+    pending: Counter[int] = field(default_factory=Counter)
+    pull_waiters: list[PendingReply] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    optimizer_name: str | None = None
+    optimizer_state: dict[str, Any] | None = None
+    updates: int = 0
+
+    @property
+    def initialized(self) -> bool:
+        return self.value is not None
+
+    @property
+    def aggregator(self) -> Aggregator:
+        if self._aggregator is None:
+            self._aggregator = self.codec.make_aggregator(self.spec.numel, self.spec.dtype)
+        return self._aggregator
+
+    def set_initial_value(self, values: np.ndarray) -> None:
+        """Store rank 0's init value (copied: the frame's memory belongs to ZeroMQ)."""
+        wire = np.array(values, dtype=np.dtype(self.spec.dtype), copy=True)
+        acc = accumulator_dtype(self.spec.dtype)
+        self.master = None if wire.dtype == acc else wire.astype(acc)
+        self.value = PublishedValue(wire)
+
+    def apply_update(self, grad: np.ndarray, optimizer: Optimizer | None, out: np.ndarray) -> None:
+        """Write the value after this round into ``out`` (runs on an executor thread).
+
+        Without an optimizer the new value is the round's aggregate itself; with one, the
+        optimizer's update of the current weights by the aggregate.
+        """
+        assert self.value is not None
+        state = None
+        if optimizer is not None:
+            if self.optimizer_name != optimizer.name or self.optimizer_state is None:
+                weights_dtype = accumulator_dtype(self.spec.dtype)
+                self.optimizer_state = optimizer.new_state(self.spec.numel, weights_dtype)
+                self.optimizer_name = optimizer.name
+            state = self.optimizer_state
+        if self.master is None:
+            if optimizer is None:
+                np.copyto(out, grad)
+            else:
+                optimizer.step(self.value.current, out, grad, state)
+        else:
+            if optimizer is None:
+                np.copyto(self.master, grad)
+            else:
+                optimizer.step(self.master, self.master, grad, state)
+            np.copyto(out, self.master, casting="unsafe")
+        self.updates += 1

@@ -1,0 +1,610 @@
+"""The shard server: one ROUTER socket, an asyncio loop, and a thread pool for the heavy work.
+
+Request handling (all on the loop thread, never blocking it):
+
+* every inbound message is decoded and validated by :func:`kvstore.wire.decode`, then checked
+  against the server's state (session, key, chunk spec, payload sizes) *before* anything changes;
+  a bad message gets an ``ERROR`` reply with a stable code, is logged, and everyone else is served
+  as before;
+* decoding, aggregation and optimizer updates run on a thread pool (the compiled kernels release
+  the GIL); per chunk they are serialized by an ``asyncio.Lock`` that hands out turns in arrival
+  order, and different chunks proceed in parallel.
+
+``dist_sync`` (and ``local``, which is sync with one worker): a chunk's round collects one push
+from each of the N workers, decoding each into the round's aggregate as it arrives. When the Nth
+is in, the optimizer (if any) is applied once, or the aggregate becomes the stored value, and then
+all N pushes are acknowledged. A worker's second push of a chunk within one round waits for the
+next round. ``dist_async``: each push is decoded and applied on arrival (an optimizer is required)
+and acknowledged.
+
+Pulls are answered with the chunk's published value, but only after every push the same worker
+sent earlier for that chunk has been applied (ZeroMQ keeps one connection's messages in order), so
+``push`` then ``pull`` reads the worker's own update without an extra round trip.
+
+``init`` is collective: each worker declares the chunk's spec (rank 0 also sends the value), the
+specs must match rank 0's, and every worker's init is answered once rank 0's value is stored, so
+no pull can see an uninitialised key. ``set_optimizer`` and ``barrier`` are collective too: each is
+answered when all N workers made the same call (with equal optimizer arguments).
+
+When every worker of a job has said goodbye, the server forgets the job (keys, optimizer, mode)
+and serves the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import socket
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from kvstore import wire
+from kvstore.codecs import codec_from_spec
+from kvstore.codecs.base import frame_array
+from kvstore.config import ServerConfig
+from kvstore.errors import CodecError, ErrorCode, OptimizerError, ProtocolError
+from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
+from kvstore.server.chunk import ChunkSpec, ChunkState, Deferred, PendingReply
+from kvstore.server.optimizers import Optimizer, make_optimizer
+from kvstore.wire import Message, Op
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """A request the server refuses; becomes an ERROR reply with ``code``."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Job:
+    """State of the job the server currently serves (reset when all workers left)."""
+
+    mode: str | None = None
+    sessions: dict[bytes, int] = field(default_factory=dict)
+    ranks: dict[int, bytes] = field(default_factory=dict)
+    chunks: dict[tuple[Any, int], ChunkState] = field(default_factory=dict)
+    optimizer: Optimizer | None = None
+    proposals: dict[int, tuple[OptimizerSpec, PendingReply]] = field(default_factory=dict)
+    barrier: dict[int, PendingReply] = field(default_factory=dict)
+
+
+def _peer(identity: bytes) -> str:
+    return identity.decode("ascii", "replace")
+
+
+class ShardServer:
+    """One shard server.
+
+    Example::
+
+        server = ShardServer(ServerConfig(port=0, num_workers=2))
+        address = await server.start()      # "tcp://127.0.0.1:PORT"
+        ...
+        await server.stop()
+
+    Args:
+        config: the server's settings.
+        context: a ZeroMQ asyncio context to share (``local`` mode uses ``inproc://``, which
+            needs the worker's context); by default the server makes and closes its own.
+    """
+
+    def __init__(self, config: ServerConfig, *, context: zmq.asyncio.Context | None = None):
+        self.config = config
+        self._own_context = context is None
+        self._context = context if context is not None else zmq.asyncio.Context()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pool = ThreadPoolExecutor(
+            max_workers=config.threads, thread_name_prefix=f"kvstore-server{config.server_rank}"
+        )
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._job = _Job()
+        self.address: str | None = None
+        self._handlers: dict[Op, Callable[[bytes, int, Message], None]] = {
+            Op.INIT: self._on_init,
+            Op.PUSH: self._on_push,
+            Op.PUSHPULL: self._on_push,
+            Op.PULL: self._on_pull,
+            Op.BARRIER: self._on_barrier,
+            Op.SET_OPTIMIZER: self._on_set_optimizer,
+            Op.BYE: self._on_bye,
+        }
+
+    # lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Bind the socket and start serving; returns the address workers connect to."""
+        if self._socket is not None:
+            raise RuntimeError("ShardServer.start() was already called")
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises, never vanishes
+        sock.setsockopt(zmq.SNDHWM, 0)  # replies are never dropped
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        cfg = self.config
+        try:
+            if cfg.bind is not None:
+                sock.bind(cfg.bind)
+                self.address = cfg.bind
+            else:
+                endpoint = f"tcp://{cfg.host}:{cfg.port}" if cfg.port else f"tcp://{cfg.host}:0"
+                sock.bind(endpoint)
+                bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+                port = int(bound.rsplit(":", 1)[1])
+                host = cfg.host if cfg.host not in ("0.0.0.0", "*", "") else socket.getfqdn()
+                self.address = f"tcp://{host}:{port}"
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise OSError(f"server {cfg.server_rank} cannot bind {cfg.host}:{cfg.port}: {exc}")
+        self._socket = sock
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        logger.info(
+            "server %d/%d serving %d worker(s) on %s with %d thread(s)",
+            cfg.server_rank,
+            cfg.num_servers,
+            cfg.num_workers,
+            self.address,
+            cfg.threads,
+        )
+        return self.address
+
+    async def stop(self) -> None:
+        """Stop serving, close the socket and the thread pool."""
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._reader = None
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._own_context:
+            self._context.term()
+
+    async def __aenter__(self) -> ShardServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # I/O -------------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart(copy=False)
+            if len(frames) < 2:
+                continue  # a routing id alone: nothing to answer
+            identity = frames[0].bytes
+            try:
+                self._handle(identity, frames[1:])
+            except Exception:  # the loop must survive anything a client sends
+                logger.exception("unexpected error handling a message from %s", _peer(identity))
+
+    def _send(self, identity: bytes, frames: list[Any], track: bool = False) -> Any:
+        if self._socket is None:
+            return None
+        future = self._socket.send_multipart([identity, *frames], copy=False, track=track)
+        future.add_done_callback(self._check_send)
+        return future
+
+    @staticmethod
+    def _check_send(future: asyncio.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            logger.debug("reply not delivered: %s", future.exception())
+
+    def _send_ack(self, reply: PendingReply, fields: dict[str, Any] | None = None) -> None:
+        self._send(reply.identity, wire.reply(reply.rid, fields))
+
+    def _send_value(self, reply: PendingReply, chunk: ChunkState) -> None:
+        assert chunk.value is not None
+        current = chunk.value.current
+        send = self._send(reply.identity, wire.reply(reply.rid, None, [current]), track=True)
+        if send is not None:
+            chunk.value.track(send)
+
+    def _send_error(self, identity: bytes, rid: int, code: ErrorCode, message: str) -> None:
+        self._send(identity, wire.error(rid, code, message))
+
+    def _answer(self, reply: PendingReply, chunk: ChunkState) -> None:
+        if reply.want_value:
+            self._send_value(reply, chunk)
+        else:
+            self._send_ack(reply)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("server task failed", exc_info=task.exception())
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # dispatch --------------------------------------------------------------------------------
+
+    def _handle(self, identity: bytes, frames: list[Any]) -> None:
+        try:
+            msg = wire.decode(frames)
+        except ProtocolError as exc:
+            logger.warning("bad message from %s: %s", _peer(identity), exc)
+            self._send_error(identity, wire.peek_request_id(frames), ErrorCode.BAD_MESSAGE, str(exc))
+            return
+        try:
+            if msg.op is Op.HELLO:
+                self._on_hello(identity, msg)
+                return
+            handler = self._handlers.get(msg.op)
+            if handler is None:
+                raise RequestError(ErrorCode.BAD_MESSAGE, f"{msg.op.name} is not a request")
+            rank = self._job.sessions.get(identity)
+            if rank is None:
+                raise RequestError(
+                    ErrorCode.NOT_CONNECTED,
+                    f"{msg.op.name} from a worker that has not said HELLO to this server",
+                )
+            handler(identity, rank, msg)
+        except RequestError as exc:
+            logger.warning(
+                "refused %s (id %d) from %s: %s", msg.op.name, msg.rid, _peer(identity), exc
+            )
+            self._send_error(identity, msg.rid, exc.code, str(exc))
+        except (CodecError, OptimizerError) as exc:
+            code = ErrorCode.CODEC if isinstance(exc, CodecError) else ErrorCode.OPTIMIZER
+            logger.warning("refused %s from %s: %s", msg.op.name, _peer(identity), exc)
+            self._send_error(identity, msg.rid, code, str(exc))
+        except Exception as exc:
+            logger.exception("internal error on %s from %s", msg.op.name, _peer(identity))
+            self._send_error(
+                identity, msg.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+            )
+
+    # sessions ---------------------------------------------------------------------------------
+
+    def _on_hello(self, identity: bytes, msg: Message) -> None:
+        cfg, job = self.config, self._job
+        rank, mode = msg["r"], msg["m"]
+        if msg["nw"] != cfg.num_workers:
+            raise RequestError(
+                ErrorCode.CLUSTER_MISMATCH,
+                f"server {cfg.server_rank} serves {cfg.num_workers} worker(s) "
+                f"(--num-workers {cfg.num_workers}) but this worker says there are {msg['nw']} "
+                f"(KVSTORE_NUM_WORKERS)",
+            )
+        if msg["ns"] != cfg.num_servers:
+            raise RequestError(
+                ErrorCode.CLUSTER_MISMATCH,
+                f"the worker lists {msg['ns']} server(s) (KVSTORE_SERVERS) but server "
+                f"{cfg.server_rank} was started with --num-servers {cfg.num_servers}",
+            )
+        if msg["si"] != cfg.server_rank:
+            raise RequestError(
+                ErrorCode.WRONG_SERVER,
+                f"the worker lists this address as server {msg['si']} but it is server "
+                f"{cfg.server_rank}: KVSTORE_SERVERS must list the servers in rank order",
+            )
+        if rank >= cfg.num_workers:
+            raise RequestError(
+                ErrorCode.CLUSTER_MISMATCH, f"rank {rank} is out of range 0..{cfg.num_workers - 1}"
+            )
+        if mode == "local" and cfg.num_workers != 1:
+            raise RequestError(
+                ErrorCode.MODE_MISMATCH, "the local mode needs a server for exactly one worker"
+            )
+        if job.mode is not None and mode != job.mode:
+            ranks = sorted(job.ranks)
+            raise RequestError(
+                ErrorCode.MODE_MISMATCH,
+                f"worker rank {rank} created a {mode!r} store but rank(s) {ranks} created "
+                f"{job.mode!r}: every worker of a job must use the same mode",
+            )
+        holder = job.ranks.get(rank)
+        if holder is not None and holder != identity:
+            raise RequestError(
+                ErrorCode.DUPLICATE_RANK,
+                f"rank {rank} is already connected from another worker ({_peer(holder)}); "
+                f"every worker needs its own KVSTORE_RANK",
+            )
+        job.mode = mode
+        job.sessions[identity] = rank
+        job.ranks[rank] = identity
+        logger.info("worker rank %d connected (%s, %s)", rank, _peer(identity), mode)
+        self._send(identity, wire.reply(msg.rid, {"sr": cfg.server_rank}))
+
+    def _on_bye(self, identity: bytes, rank: int, msg: Message) -> None:
+        job = self._job
+        job.sessions.pop(identity, None)
+        job.ranks.pop(rank, None)
+        self._send(identity, wire.reply(msg.rid))
+        logger.info("worker rank %d left", rank)
+        if not job.sessions:
+            logger.info("all workers left; the server is ready for a new job")
+            self._job = _Job()
+
+    # init --------------------------------------------------------------------------------------
+
+    def _chunk_spec(self, msg: Message) -> tuple[ChunkSpec, Any]:
+        shape = tuple(msg["sh"])
+        numel = math.prod(shape)
+        start, count = msg["o"], msg["n"]
+        if start + count > numel or (count == 0 and numel > 0):
+            raise RequestError(
+                ErrorCode.BAD_VALUE,
+                f"key {msg['k']!r} chunk {msg['c']}: elements [{start}, {start + count}) do not "
+                f"fit a value of shape {shape}",
+            )
+        codec = codec_from_spec({"type": msg["cd"], **msg["cp"]})
+        codec.check_dtype(msg["dt"], f"key {msg['k']!r}")
+        spec = ChunkSpec(
+            key=msg["k"],
+            index=msg["c"],
+            start=start,
+            numel=count,
+            dtype=msg["dt"],
+            shape=shape,
+            codec=tuple(sorted(codec.spec().items())),
+        )
+        return spec, codec
+
+    def _on_init(self, identity: bytes, rank: int, msg: Message) -> None:
+        spec, codec = self._chunk_spec(msg)
+        chunks = self._job.chunks
+        chunk = chunks.get((spec.key, spec.index))
+        if chunk is None:
+            chunk = ChunkState(spec=spec, codec=codec)
+            chunks[(spec.key, spec.index)] = chunk
+        if rank in chunk.declared:
+            raise RequestError(
+                ErrorCode.DUPLICATE_INIT,
+                f"rank {rank} initialised {spec.name} twice; call kv.init once per key",
+            )
+        reply = PendingReply(identity, msg.rid, rank, False)
+        if rank == 0:
+            if len(msg.payloads) != 1:
+                raise RequestError(ErrorCode.BAD_VALUE, "rank 0's INIT must carry the value")
+            expected = spec.numel * np.dtype(spec.dtype).itemsize
+            values = frame_array(msg.payloads[0], spec.dtype)
+            if values.nbytes != expected:
+                raise RequestError(
+                    ErrorCode.BAD_VALUE,
+                    f"{spec.name}: INIT value has {values.nbytes} bytes, expected {expected}",
+                )
+            # Rank 0's declaration is the reference; earlier different ones are refused now.
+            chunk.spec, chunk.codec = spec, codec
+            chunk.set_initial_value(values)
+            chunk.declared[0] = spec
+            self._send_ack(reply)
+            waiting, chunk.init_waiters = chunk.init_waiters, []
+            for other in waiting:
+                other_spec = chunk.declared[other.rank]
+                if other_spec != spec:
+                    del chunk.declared[other.rank]
+                    self._send_error(
+                        other.identity, other.rid, ErrorCode.SPEC_MISMATCH,
+                        self._mismatch(other.rank, other_spec, spec),
+                    )  # fmt: skip
+                else:
+                    self._send_ack(other)
+            return
+        if msg.payloads:
+            raise RequestError(ErrorCode.BAD_VALUE, "only rank 0's INIT carries a value")
+        if chunk.initialized:
+            if spec != chunk.spec:
+                raise RequestError(ErrorCode.SPEC_MISMATCH, self._mismatch(rank, spec, chunk.spec))
+            chunk.declared[rank] = spec
+            self._send_ack(reply)
+        else:
+            chunk.declared[rank] = spec
+            chunk.init_waiters.append(reply)
+
+    @staticmethod
+    def _mismatch(rank: int, spec: ChunkSpec, reference: ChunkSpec) -> str:
+        return (
+            f"{spec.name}: rank {rank} declared {spec.describe()} but rank 0 declared "
+            f"{reference.describe()}; every worker must init a key with the same shape, dtype, "
+            f"compression and KVSTORE_BIGARRAY_BOUND/KVSTORE_PARTITION_BYTES"
+        )
+
+    def _ready_chunk(self, rank: int, msg: Message) -> ChunkState:
+        key, index = msg["k"], msg["c"]
+        chunk = self._job.chunks.get((key, index))
+        if chunk is None or not chunk.initialized:
+            raise RequestError(
+                ErrorCode.NOT_INITIALIZED,
+                f"key {key!r} chunk {index} is not initialised on server "
+                f"{self.config.server_rank}; call kv.init first",
+            )
+        if rank not in chunk.declared:
+            raise RequestError(
+                ErrorCode.NOT_INITIALIZED,
+                f"rank {rank} never called kv.init for key {key!r}; init is collective",
+            )
+        return chunk
+
+    # push --------------------------------------------------------------------------------------
+
+    def _on_push(self, identity: bytes, rank: int, msg: Message) -> None:
+        chunk = self._ready_chunk(rank, msg)
+        spec = chunk.spec
+        if msg["n"] != spec.numel:
+            raise RequestError(
+                ErrorCode.BAD_VALUE,
+                f"{spec.name}: push of {msg['n']} elements, the chunk has {spec.numel}",
+            )
+        chunk.codec.validate_payloads(msg.payloads, spec.numel, spec.dtype)
+        job = self._job
+        if job.mode == "dist_async" and job.optimizer is None:
+            raise RequestError(
+                ErrorCode.NO_OPTIMIZER,
+                "dist_async applies every push on arrival and needs an optimizer: "
+                "call kv.set_optimizer(...) on every worker before pushing",
+            )
+        reply = PendingReply(identity, msg.rid, rank, msg.op is Op.PUSHPULL)
+        chunk.pending[rank] += 1
+        if job.mode == "dist_async":
+            self._spawn(self._push_async(chunk, reply, msg.payloads))
+        else:
+            self._admit(chunk, Deferred(reply, msg.payloads))
+
+    def _admit(self, chunk: ChunkState, push: Deferred) -> None:
+        """Give a sync push its place in the current round, or defer it to a later one."""
+        rank = push.reply.rank
+        if rank in chunk.round_ranks or any(d.reply.rank == rank for d in chunk.deferred):
+            chunk.deferred.append(push)
+            return
+        chunk.round_ranks.add(rank)
+        chunk.round_replies.append(push.reply)
+        self._spawn(self._accumulate(chunk, push.payloads))
+
+    async def _accumulate(self, chunk: ChunkState, payloads: list[Any]) -> None:
+        async with chunk.lock:  # turns are granted in arrival order
+            first = chunk.accumulated == 0
+            try:
+                await self._run(chunk.aggregator.add, payloads, first)
+            except Exception as exc:
+                logger.exception("decoding a push of %s failed", chunk.spec.name)
+                chunk.round_error = chunk.round_error or exc
+            chunk.accumulated += 1
+            if chunk.accumulated == self.config.num_workers:
+                await self._complete_round(chunk)
+
+    async def _complete_round(self, chunk: ChunkState) -> None:
+        replies, error = chunk.round_replies, chunk.round_error
+        chunk.round_ranks, chunk.round_replies = set(), []
+        chunk.round_error, chunk.accumulated = None, 0
+        if error is None:
+            try:
+                await self._apply(chunk, chunk.aggregator.result)
+            except Exception as exc:
+                error = exc
+        for reply in replies:
+            chunk.pending[reply.rank] -= 1
+        for reply in replies:
+            self._finish_push(chunk, reply, error)
+        self._release_pulls(chunk)
+        deferred, chunk.deferred = chunk.deferred, type(chunk.deferred)()
+        for push in deferred:
+            self._admit(chunk, push)
+
+    async def _push_async(self, chunk: ChunkState, reply: PendingReply, payloads: list) -> None:
+        error: BaseException | None = None
+        async with chunk.lock:
+            try:
+                await self._run(chunk.aggregator.add, payloads, True)
+                await self._apply(chunk, chunk.aggregator.result)
+            except Exception as exc:
+                error = exc
+            chunk.pending[reply.rank] -= 1
+            self._finish_push(chunk, reply, error)
+            self._release_pulls(chunk)
+
+    async def _apply(self, chunk: ChunkState, grad: Any) -> None:
+        assert chunk.value is not None
+        optimizer = self._job.optimizer
+        if optimizer is not None and not chunk.spec.dtype.startswith("float"):
+            raise RequestError(
+                ErrorCode.BAD_VALUE,
+                f"{chunk.spec.name} is {chunk.spec.dtype}: the optimizer updates float keys only",
+            )
+        out = chunk.value.spare()
+        try:
+            await self._run(chunk.apply_update, grad, optimizer, out)
+        except BaseException:
+            chunk.value.give_back(out)
+            raise
+        chunk.value.publish(out)
+
+    def _finish_push(
+        self, chunk: ChunkState, reply: PendingReply, error: BaseException | None
+    ) -> None:
+        if error is None:
+            self._answer(reply, chunk)
+            return
+        code = error.code if isinstance(error, RequestError) else ErrorCode.INTERNAL
+        if not isinstance(error, RequestError):
+            logger.error("update of %s failed: %r", chunk.spec.name, error)
+        self._send_error(reply.identity, reply.rid, code, f"{chunk.spec.name}: {error}")
+
+    # pull --------------------------------------------------------------------------------------
+
+    def _on_pull(self, identity: bytes, rank: int, msg: Message) -> None:
+        chunk = self._ready_chunk(rank, msg)
+        reply = PendingReply(identity, msg.rid, rank, True)
+        if chunk.pending[rank] > 0:
+            chunk.pull_waiters.append(reply)
+        else:
+            self._send_value(reply, chunk)
+
+    def _release_pulls(self, chunk: ChunkState) -> None:
+        if not chunk.pull_waiters:
+            return
+        still_waiting = []
+        for reply in chunk.pull_waiters:
+            if chunk.pending[reply.rank] > 0:
+                still_waiting.append(reply)
+            else:
+                self._send_value(reply, chunk)
+        chunk.pull_waiters = still_waiting
+
+    # collectives -------------------------------------------------------------------------------
+
+    def _on_barrier(self, identity: bytes, rank: int, msg: Message) -> None:
+        if self.config.server_rank != 0:
+            raise RequestError(ErrorCode.WRONG_SERVER, "barriers are kept by server 0")
+        job = self._job
+        if rank in job.barrier:
+            raise RequestError(ErrorCode.BAD_VALUE, f"rank {rank} is already in the barrier")
+        job.barrier[rank] = PendingReply(identity, msg.rid, rank, False)
+        if len(job.barrier) == self.config.num_workers:
+            arrived, job.barrier = job.barrier, {}
+            for reply in arrived.values():
+                self._send_ack(reply)
+
+    def _on_set_optimizer(self, identity: bytes, rank: int, msg: Message) -> None:
+        spec = make_optimizer_spec(msg["opt"], msg["hp"])
+        job = self._job
+        if rank in job.proposals:
+            raise RequestError(
+                ErrorCode.OPTIMIZER, f"rank {rank} already called set_optimizer and is waiting"
+            )
+        for other_rank, (other, _) in job.proposals.items():
+            if other != spec:
+                raise RequestError(
+                    ErrorCode.OPTIMIZER,
+                    f"rank {rank} asked for optimizer {spec!r} but rank {other_rank} asked for "
+                    f"{other!r}: every worker must call set_optimizer with the same arguments",
+                )
+        job.proposals[rank] = (spec, PendingReply(identity, msg.rid, rank, False))
+        if len(job.proposals) < self.config.num_workers:
+            return
+        proposals, job.proposals = job.proposals, {}
+        job.optimizer = make_optimizer(spec)
+        logger.info("optimizer set: %r", spec)
+        for _, reply in proposals.values():
+            self._send_ack(reply)
+
+
+__all__ = ["RequestError", "ShardServer"]

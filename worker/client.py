@@ -1,0 +1,615 @@
+"""The worker-side client: :class:`KVStore`, with MXNet's ``push``/``pull`` vocabulary.
+
+Per key the client keeps its shape, dtype, chunks (:func:`kvstore.topology.plan_chunks`), the
+codec chosen when it was initialised, and per chunk one :class:`~kvstore.codecs.Encoder` (which
+holds this worker's residual for that chunk) plus the chunk's last push in flight.
+
+Ordering: ``push`` encodes each chunk on the caller's thread and queues it; it returns when the
+caller's value is no longer needed, without waiting for the network. A chunk is re-encoded only
+after its previous push was answered (its buffers are reused). ``pull`` of a key is answered by
+each server only after this worker's earlier pushes of that key were applied (in ``dist_sync``:
+after the whole round), so ``push`` followed by ``pull`` returns the round's result. Errors of a
+push are raised by the next call that waits on it: a later push or pull of the same key,
+``barrier`` or ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstore.codecs import Codec, Encoder, codec_from_spec
+from kvstore.codecs.base import frame_array
+from kvstore.codecs.identity import IdentityCodec
+from kvstore.config import ClusterConfig, WorkerOptions
+from kvstore.errors import (
+    ConnectionLostError,
+    DuplicateInitError,
+    KeyNotInitializedError,
+    KVStoreError,
+    KVStoreTimeoutError,
+    ProtocolError,
+    UsageError,
+    ValueMismatchError,
+)
+from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
+from kvstore.topology import Chunk, Key, partition_elems_for, plan_chunks
+from kvstore.wire import Op, buffer_nbytes
+from kvstore.worker import values as vals
+from kvstore.worker.transport import Request, Transport, wait_all
+
+logger = logging.getLogger(__name__)
+
+KeyArg = Key | Sequence[Key]
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass
+class TrafficStats:
+    """Bytes this worker moved, counted over all frames (headers included).
+
+    Attributes:
+        pushed_bytes: bytes sent by push/pushpull messages.
+        pushed_raw_bytes: what those pushes would have been uncompressed (value bytes).
+        pulled_bytes: value bytes received by pull/pushpull replies.
+        push_messages: push/pushpull messages sent.
+        pull_messages: pull replies received.
+    """
+
+    pushed_bytes: int = 0
+    pushed_raw_bytes: int = 0
+    pulled_bytes: int = 0
+    push_messages: int = 0
+    pull_messages: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Uncompressed push bytes over bytes actually pushed (1.0 before any push)."""
+        return self.pushed_raw_bytes / self.pushed_bytes if self.pushed_bytes else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "pushed_bytes": self.pushed_bytes,
+            "pushed_raw_bytes": self.pushed_raw_bytes,
+            "pulled_bytes": self.pulled_bytes,
+            "push_messages": self.push_messages,
+            "pull_messages": self.pull_messages,
+            "compression_ratio": self.compression_ratio,
+        }
+
+
+@dataclass
+class _KeyState:
+    key: Key
+    shape: tuple[int, ...]
+    dtype: str
+    codec: Codec
+    chunks: tuple[Chunk, ...]
+    encoders: list[Encoder | None] = field(default_factory=list)
+    encoder_device: Any = None
+    last_push: list[Request | None] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def describe(self) -> str:
+        return f"key {self.key!r} (shape {self.shape}, {self.dtype})"
+
+
+def _normalize_key(key: Any) -> Key:
+    if isinstance(key, bool):
+        raise TypeError("expected int or str for `key`, got bool")
+    if isinstance(key, int | np.integer):
+        key = int(key)
+        if not _INT64_MIN <= key <= _INT64_MAX:
+            raise ValueError(f"int key {key} does not fit in 64 bits")
+        return key
+    if isinstance(key, str):
+        if len(key) > 1024:
+            raise ValueError("str keys are limited to 1024 characters")
+        return key
+    raise TypeError(f"expected int or str for `key`, got {type(key).__name__}")
+
+
+def _pairs(key: Any, value: Any, name: str) -> list[tuple[Key, Any]]:
+    """Normalize ``key``/``value`` (single or lists) into (key, value) pairs."""
+    if isinstance(key, list | tuple):
+        keys = [_normalize_key(k) for k in key]
+        if not isinstance(value, list | tuple):
+            raise TypeError(
+                f"a list of {len(keys)} keys needs a list of {len(keys)} values for `{name}`, "
+                f"got {type(value).__name__}"
+            )
+        if len(value) != len(keys):
+            raise ValueError(
+                f"{len(keys)} keys but {len(value)} values for `{name}`; give one per key"
+            )
+        seen: set[Key] = set()
+        for k in keys:
+            if k in seen:
+                raise ValueError(f"key {k!r} appears twice in one call")
+            seen.add(k)
+        return list(zip(keys, value, strict=True))
+    return [(_normalize_key(key), value)]
+
+
+class KVStore:
+    """A connection to the parameter servers (or, in ``local`` mode, to an in-process one).
+
+    Create one with :func:`kvstore.create`; it is a context manager that closes itself.
+
+    Attributes:
+        type: ``"dist_sync"``, ``"dist_async"`` or ``"local"``.
+        rank: this worker's rank.
+        num_workers: the number of workers N.
+        num_servers: the number of servers S.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        cluster: ClusterConfig,
+        options: WorkerOptions | None = None,
+        *,
+        context: Any = None,
+        on_close: Any = None,
+    ) -> None:
+        self.type = mode
+        self.rank = cluster.rank
+        self.num_workers = cluster.num_workers
+        self.num_servers = cluster.num_servers
+        self._cluster = cluster
+        self._options = options or WorkerOptions()
+        self._codec: Codec = IdentityCodec()
+        self._keys: dict[Key, _KeyState] = {}
+        self._optimizer: OptimizerSpec | None = None
+        self._stats = TrafficStats()
+        self._api_lock = threading.RLock()
+        self._closed = False
+        self._on_close = on_close
+        identity = f"w{cluster.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        self._transport = Transport(cluster.servers, identity, context)
+        try:
+            self._handshake()
+        except BaseException:
+            self._shutdown_transport()
+            raise
+
+    # lifecycle ---------------------------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        timeout = self._options.connect_timeout
+        requests = [
+            self._transport.submit(
+                server,
+                Op.HELLO,
+                {
+                    "r": self.rank,
+                    "nw": self.num_workers,
+                    "ns": self.num_servers,
+                    "si": server,
+                    "m": self.type,
+                },
+                what=f"handshake with server {server} ({address})",
+            )
+            for server, address in enumerate(self._cluster.servers)
+        ]
+        try:
+            wait_all(requests, timeout)
+        except KVStoreTimeoutError:
+            silent = [r.server for r in requests if not r.done()]
+            addresses = ", ".join(self._cluster.servers[s] for s in silent)
+            raise ConnectionLostError(
+                f"server(s) {silent} ({addresses}) did not answer within {timeout} s "
+                f"(KVSTORE_CONNECT_TIMEOUT): are they running? `kvstore-launch` starts them"
+            ) from None
+
+    def _shutdown_transport(self) -> None:
+        try:
+            self._transport.close()
+        finally:
+            if self._on_close is not None:
+                on_close, self._on_close = self._on_close, None
+                on_close()
+
+    def close(self) -> None:
+        """Wait for this worker's pushes to finish, say goodbye to the servers, release sockets.
+
+        Idempotent. Raises the error of a failed push that nothing else reported.
+        """
+        with self._api_lock:
+            if self._closed:
+                return
+            self._closed = True
+        error: BaseException | None = None
+        try:
+            self._wait_pushes()
+        except KVStoreError as exc:
+            error = exc
+        try:
+            byes = [
+                self._transport.submit(s, Op.BYE, what="goodbye") for s in range(self.num_servers)
+            ]
+            wait_all(byes, timeout=5.0)
+        except KVStoreError as exc:
+            logger.debug("goodbye not acknowledged: %s", exc)
+        self._shutdown_transport()
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError("this KVStore is closed")
+
+    # configuration -----------------------------------------------------------------------------
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress the pushes of every key initialised after this call.
+
+        Args:
+            compression_params: ``{"type": name, **params}``, e.g.
+                ``{"type": "2bit", "threshold": 0.5}``; ``{"type": "none"}`` turns it off.
+
+        Raises:
+            UsageError: a key was already initialised (the codec is fixed at init).
+            CodecError: unknown codec type or bad parameters.
+        """
+        self._check_open()
+        with self._api_lock:
+            if self._keys:
+                some = ", ".join(repr(k) for k in list(self._keys)[:5])
+                raise UsageError(
+                    f"set_gradient_compression must be called before init; keys already "
+                    f"initialised: {some}"
+                )
+            self._codec = codec_from_spec(compression_params)
+
+    def set_optimizer(self, name: str, **hyperparameters: Any) -> None:
+        """Run an optimizer on the servers; pulls then return updated weights.
+
+        Collective: every worker calls it with the same arguments, and it returns once all
+        have. Calling it again replaces the hyperparameters (and keeps the optimizer state when
+        the name is unchanged), e.g. for a learning-rate schedule.
+
+        Args:
+            name: ``"sgd"`` or ``"adam"``.
+            **hyperparameters: see :mod:`kvstore.optimizer_spec` (``learning_rate``,
+                ``momentum``, ``nesterov``, ``wd``, ``rescale_grad``, ``clip_gradient``,
+                ``beta1``, ``beta2``, ``epsilon``).
+
+        Raises:
+            OptimizerError: unknown optimizer or bad hyperparameters (before anything is sent),
+                or workers that disagree.
+        """
+        self._check_open()
+        spec = make_optimizer_spec(name, hyperparameters)
+        requests = [
+            self._transport.submit(
+                s,
+                Op.SET_OPTIMIZER,
+                {"opt": spec.name, "hp": spec.params},
+                what=f"set_optimizer({spec!r})",
+            )
+            for s in range(self.num_servers)
+        ]
+        wait_all(requests, self._options.timeout)
+        self._optimizer = spec
+
+    # init ----------------------------------------------------------------------------------------
+
+    def init(self, key: KeyArg, value: Any) -> None:
+        """Initialise keys; collective (every worker calls it), rank 0's values win.
+
+        Returns once every server stored rank 0's value, so no pull can see an uninitialised
+        key.
+
+        Args:
+            key: an int or str key, or a list of them.
+            value: an array/tensor per key (a list for a list of keys).
+
+        Raises:
+            DuplicateInitError: a key was already initialised.
+            CodecError: the value's dtype does not suit the compression.
+            ValueMismatchError: another worker declared a different shape, dtype or codec.
+        """
+        self._check_open()
+        pairs = _pairs(key, value, "value")
+        with self._api_lock:
+            states = []
+            for k, v in pairs:
+                if k in self._keys:
+                    raise DuplicateInitError(
+                        f"key {k!r} is already initialised; call kv.init once per key"
+                    )
+                info = vals.describe(v)
+                self._codec.check_dtype(info.dtype, f"key {k!r}")
+                itemsize = np.dtype(info.dtype).itemsize
+                chunks = plan_chunks(
+                    k,
+                    info.numel,
+                    self.num_servers,
+                    bigarray_bound=self._options.bigarray_bound,
+                    partition_elems=partition_elems_for(self._options.partition_bytes, itemsize),
+                )
+                states.append((_KeyState(k, info.shape, info.dtype, self._codec, chunks), v))
+            requests = []
+            for state, v in states:
+                source = vals.host_copy(vals.flat_source(v)) if self.rank == 0 else None
+                for chunk in state.chunks:
+                    fields = {
+                        "k": state.key,
+                        "c": chunk.index,
+                        "o": chunk.start,
+                        "n": chunk.numel,
+                        "dt": state.dtype,
+                        "sh": list(state.shape),
+                        "cd": state.codec.name,
+                        "cp": state.codec.params(),
+                    }
+                    payloads = [source[chunk.start : chunk.stop]] if source is not None else []
+                    requests.append(
+                        self._transport.submit(
+                            chunk.server,
+                            Op.INIT,
+                            fields,
+                            payloads,
+                            what=f"init of key {state.key!r} chunk {chunk.index}",
+                        )
+                    )
+            wait_all(requests, self._options.timeout)
+            for state, _ in states:
+                state.encoders = [None] * len(state.chunks)
+                state.last_push = [None] * len(state.chunks)
+                self._keys[state.key] = state
+
+    # push / pull -------------------------------------------------------------------------------
+
+    def _state(self, key: Key) -> _KeyState:
+        state = self._keys.get(key)
+        if state is None:
+            raise KeyNotInitializedError(
+                f"key {key!r} is not initialised; call kv.init({key!r}, value) on every worker "
+                f"first"
+            )
+        return state
+
+    def _check_value(self, state: _KeyState, value: Any, name: str) -> vals.ValueInfo:
+        info = vals.describe(value, name)
+        if info.shape != state.shape or info.dtype != state.dtype:
+            raise ValueMismatchError(
+                f"`{name}` for {state.describe()} has shape {info.shape} and dtype {info.dtype}; "
+                f"it must match the value given to init"
+            )
+        return info
+
+    def _encoder(self, state: _KeyState, chunk: Chunk, source: Any) -> Encoder:
+        device = vals.gpu_device_of(source)
+        encoder = state.encoders[chunk.index]
+        if encoder is None or state.encoder_device != device:
+            if encoder is not None:
+                # The residuals live where the values live; moving devices starts them over.
+                logger.warning("%s moved between host and GPU; residuals reset", state.describe())
+                state.encoders = [None] * len(state.chunks)
+            state.encoder_device = device
+            encoder = state.codec.make_encoder(chunk.numel, state.dtype, device)
+            state.encoders[chunk.index] = encoder
+        return encoder
+
+    def _wait_push(self, state: _KeyState, index: int) -> None:
+        previous = state.last_push[index]
+        if previous is None:
+            return
+        state.last_push[index] = None
+        try:
+            previous.wait(self._options.timeout)
+        except KVStoreError as exc:
+            raise type(exc)(f"an earlier push of {state.describe()} failed: {exc}") from exc
+
+    def _send_pushes(self, state: _KeyState, value: Any, op: Op, priority: int) -> list[Request]:
+        source = vals.flat_source(value)
+        requests = []
+        with vals.device_stream(value):
+            for chunk in state.chunks:
+                self._wait_push(state, chunk.index)
+                payloads = self._encoder(state, chunk, source).encode(
+                    source[chunk.start : chunk.stop]
+                )
+                request = self._transport.submit(
+                    chunk.server,
+                    op,
+                    {"k": state.key, "c": chunk.index, "n": chunk.numel},
+                    payloads,
+                    priority=priority,
+                    order_key=(state.key, chunk.index),
+                    what=f"{op.name} of key {state.key!r} chunk {chunk.index}",
+                )
+                state.last_push[chunk.index] = request
+                requests.append(request)
+                self._stats.pushed_bytes += request.nbytes
+                self._stats.pushed_raw_bytes += chunk.numel * np.dtype(state.dtype).itemsize
+                self._stats.push_messages += 1
+        return requests
+
+    def _require_optimizer_for_async(self) -> None:
+        if self.type == "dist_async" and self._optimizer is None:
+            raise UsageError(
+                "dist_async applies every push on arrival and needs an optimizer: call "
+                "kv.set_optimizer(...) on every worker before pushing"
+            )
+
+    def push(self, key: KeyArg, value: Any, priority: int = 0) -> None:
+        """Push gradients: the servers sum them over workers (not the mean).
+
+        Returns once the values are encoded (their memory is free to reuse), without waiting
+        for the network. Lists of keys are encoded and sent one after another and overlap.
+
+        Args:
+            key: a key or a list of keys (each initialised).
+            value: an array/tensor per key, of the key's shape and dtype; GPU values are
+                encoded on the GPU.
+            priority: higher-priority messages are sent first.
+        """
+        self._check_open()
+        self._require_optimizer_for_async()
+        pairs = _pairs(key, value, "value")
+        work = [(self._state(k), v) for k, v in pairs]
+        for state, v in work:
+            self._check_value(state, v, "value")
+        for state, v in work:
+            self._send_pushes(state, v, Op.PUSH, priority)
+
+    def pull(self, key: KeyArg, out: Any = None, priority: int = 0) -> None:
+        """Pull values into ``out`` in place (same shape, dtype and type as at init).
+
+        Returns when ``out`` holds the value that includes this worker's earlier pushes of
+        the key (in ``dist_sync``: the whole round's result).
+
+        Args:
+            key: a key or a list of keys.
+            out: an array/tensor per key to fill (required).
+            priority: higher-priority messages are sent first.
+        """
+        self._check_open()
+        if out is None:
+            raise TypeError("pull needs `out`: the array or tensor to fill")
+        pairs = _pairs(key, out, "out")
+        work = [(self._state(k), o) for k, o in pairs]
+        for state, o in work:
+            self._check_value(state, o, "out")
+        pending = []
+        for state, o in work:
+            requests = [
+                self._transport.submit(
+                    chunk.server,
+                    Op.PULL,
+                    {"k": state.key, "c": chunk.index},
+                    priority=priority,
+                    order_key=(state.key, chunk.index),
+                    what=f"pull of key {state.key!r} chunk {chunk.index}",
+                )
+                for chunk in state.chunks
+            ]
+            pending.append((state, o, requests))
+        self._receive_values(pending)
+
+    def pushpull(self, key: KeyArg, value: Any, out: Any = None, priority: int = 0) -> None:
+        """Push then pull in one round trip per chunk; ``out`` defaults to ``value``."""
+        self._check_open()
+        self._require_optimizer_for_async()
+        pairs = _pairs(key, value, "value")
+        outs = [v for _, v in pairs] if out is None else [o for _, o in _pairs(key, out, "out")]
+        work = [(self._state(k), v, o) for (k, v), o in zip(pairs, outs, strict=True)]
+        for state, v, o in work:
+            self._check_value(state, v, "value")
+            self._check_value(state, o, "out")
+        pending = [
+            (state, o, self._send_pushes(state, v, Op.PUSHPULL, priority)) for state, v, o in work
+        ]
+        self._receive_values(pending)
+
+    def _receive_values(self, pending: Iterable[tuple[_KeyState, Any, list[Request]]]) -> None:
+        first_error: BaseException | None = None
+        for state, out, requests in pending:
+            target = vals.FlatTarget(out)
+            itemsize = np.dtype(state.dtype).itemsize
+            for chunk, request in zip(state.chunks, requests, strict=True):
+                try:
+                    reply = request.wait(self._options.timeout)
+                    nbytes = chunk.numel * itemsize
+                    if len(reply.payloads) != 1 or buffer_nbytes(reply.payloads[0]) != nbytes:
+                        raise ProtocolError(
+                            f"reply for key {state.key!r} chunk {chunk.index} has the wrong size"
+                        )
+                    target.write(
+                        chunk.start, chunk.stop, frame_array(reply.payloads[0], state.dtype)
+                    )
+                    self._stats.pulled_bytes += chunk.numel * itemsize
+                    self._stats.pull_messages += 1
+                except KVStoreError as exc:
+                    first_error = first_error or exc
+            if first_error is None:
+                target.finish()
+            for index, push in enumerate(state.last_push):
+                if push is not None and push.failed() and first_error is None:
+                    try:
+                        self._wait_push(state, index)
+                    except KVStoreError as exc:
+                        first_error = exc
+        if first_error is not None:
+            raise first_error
+
+    def _wait_pushes(self, keys: Iterable[_KeyState] | None = None) -> None:
+        first_error: BaseException | None = None
+        for state in keys if keys is not None else list(self._keys.values()):
+            for index in range(len(state.chunks)):
+                try:
+                    self._wait_push(state, index)
+                except KVStoreError as exc:
+                    first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    def wait(self, key: KeyArg | None = None) -> None:
+        """Block until this worker's pushes (of ``key``, or of all keys) were applied."""
+        self._check_open()
+        if key is None:
+            self._wait_pushes()
+        else:
+            keys = key if isinstance(key, list | tuple) else [key]
+            self._wait_pushes([self._state(_normalize_key(k)) for k in keys])
+
+    def barrier(self) -> None:
+        """Wait until every worker reached its barrier, after this worker's pushes were applied.
+
+        So once any worker returns from ``barrier``, every worker's earlier pushes are applied.
+        """
+        self._check_open()
+        self._wait_pushes()
+        request = self._transport.submit(0, Op.BARRIER, what="barrier")
+        request.wait(self._options.timeout)
+
+    # introspection -------------------------------------------------------------------------
+
+    def stats(self) -> TrafficStats:
+        """A snapshot of the bytes this worker pushed and pulled so far."""
+        s = self._stats
+        return TrafficStats(
+            s.pushed_bytes, s.pushed_raw_bytes, s.pulled_bytes, s.push_messages, s.pull_messages
+        )
+
+    @property
+    def optimizer(self) -> OptimizerSpec | None:
+        """The optimizer set with :meth:`set_optimizer`, or None."""
+        return self._optimizer
+
+    @property
+    def compression(self) -> dict[str, Any]:
+        """The compression params that keys initialised now would use."""
+        return self._codec.spec()
+
+    def __repr__(self) -> str:
+        return (
+            f"KVStore(type={self.type!r}, rank={self.rank}, num_workers={self.num_workers}, "
+            f"num_servers={self.num_servers})"
+        )
+
+
+__all__ = ["KVStore", "TrafficStats"]

@@ -1,0 +1,361 @@
+"""The worker's transport ("van"): one DEALER socket per server, driven by one I/O thread.
+
+Callers (any thread) :meth:`Transport.submit` a request and get a :class:`Request` to wait on.
+The I/O thread owns the sockets: it sends queued requests (highest ``priority`` first, and in
+submission order among equal priorities; messages for the same ``order_key`` never overtake one
+another, so a pull never passes the same key's push), receives replies, validates them with
+:func:`kvstore.wire.decode` and completes the matching request by id.
+
+Payload buffers are sent without copies. The caller keeps them alive and unchanged until the
+request completes (the encoders do: a chunk is not re-encoded before its previous push was
+answered).
+
+A TCP server that closes its connection (it died, or was stopped) fails every request pending on
+it with :class:`~kvstore.errors.ConnectionLostError`, and later requests to it fail at once, so a
+dead server never leaves a worker hanging.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvstore import wire
+from kvstore.errors import (
+    ConnectionLostError,
+    KVStoreError,
+    KVStoreTimeoutError,
+    ProtocolError,
+    error_from_code,
+)
+from kvstore.wire import Message, Op
+
+logger = logging.getLogger(__name__)
+
+
+class Request:
+    """A request in flight; :meth:`wait` blocks until its reply.
+
+    Attributes:
+        rid: request id.
+        server: server rank it went to.
+        op: the operation.
+        what: a short description for error messages (``"PULL of key 'w' chunk 0"``).
+        nbytes: bytes of all frames sent.
+    """
+
+    __slots__ = ("rid", "server", "op", "what", "nbytes", "_event", "_reply", "_error", "_done_cb")
+
+    def __init__(self, rid: int, server: int, op: Op, what: str, nbytes: int) -> None:
+        self.rid = rid
+        self.server = server
+        self.op = op
+        self.what = what
+        self.nbytes = nbytes
+        self._event = threading.Event()
+        self._reply: Message | None = None
+        self._error: BaseException | None = None
+        self._done_cb: Callable[[Request], None] | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def failed(self) -> bool:
+        return self._event.is_set() and self._error is not None
+
+    def wait(self, timeout: float | None = None) -> Message:
+        """The reply message; raises the server's error, or on timeout/connection loss."""
+        if not self._event.wait(timeout):
+            raise KVStoreTimeoutError(
+                f"{self.what} to server {self.server} got no reply within {timeout} s "
+                f"(KVSTORE_TIMEOUT); is another worker stuck or dead?"
+            )
+        if self._error is not None:
+            raise self._error
+        assert self._reply is not None
+        return self._reply
+
+    def _complete(self, reply: Message | None, error: BaseException | None) -> None:
+        if self._event.is_set():
+            return
+        self._reply, self._error = reply, error
+        self._event.set()
+        if self._done_cb is not None:
+            self._done_cb(self)
+
+
+def wait_all(requests: Sequence[Request], timeout: float | None) -> list[Message]:
+    """Wait for every request (sharing one deadline); raise the first error after all ended."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    replies: list[Message] = []
+    first_error: BaseException | None = None
+    for request in requests:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            replies.append(request.wait(remaining))
+        except KVStoreError as exc:
+            if first_error is None:
+                first_error = exc
+    if first_error is not None:
+        raise first_error
+    return replies
+
+
+class Transport:
+    """Sockets to all servers and the I/O thread that drives them.
+
+    Args:
+        servers: server addresses in rank order.
+        identity: this worker's routing id (unique per worker process).
+        context: a ZeroMQ context to use (``local`` mode shares one with its in-process
+            server); by default the transport makes and terminates its own.
+    """
+
+    def __init__(
+        self, servers: Sequence[str], identity: bytes, context: zmq.Context | None = None
+    ) -> None:
+        self.servers = tuple(servers)
+        self._own_context = context is None
+        self._context = context if context is not None else zmq.Context()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        # heap of (-priority, seq, server, frames, request, order_key)
+        self._queue: list[tuple[int, int, int, list[Any], Request, Any]] = []
+        self._seq = itertools.count()
+        self._queued_by_key: dict[Any, list[int]] = {}  # order_key -> [count, min priority]
+        self._pending: dict[int, Request] = {}
+        self._lost: dict[int, str] = {}
+        self._connected: set[int] = set()
+        self._closing = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_pending = False
+        self._sockets: list[zmq.Socket] = []
+        self._monitors: dict[zmq.Socket, int] = {}
+        for rank, address in enumerate(self.servers):
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            if address.startswith("tcp://"):
+                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                self._monitors[monitor] = rank
+            sock.connect(address)
+            self._sockets.append(sock)
+        self._thread = threading.Thread(target=self._run, name="kvstore-io", daemon=True)
+        self._thread.start()
+
+    # caller side -------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        server: int,
+        op: Op,
+        fields: dict[str, Any] | None = None,
+        payloads: Sequence[Any] = (),
+        *,
+        priority: int = 0,
+        order_key: Any = None,
+        what: str = "",
+        on_done: Callable[[Request], None] | None = None,
+    ) -> Request:
+        """Queue a request to ``server`` and return it; thread-safe, never blocks on I/O.
+
+        Args:
+            server: server rank.
+            op: the operation.
+            fields: header fields (see :data:`kvstore.wire.SCHEMA`).
+            payloads: buffers to send without copying.
+            priority: higher is sent earlier.
+            order_key: requests with the same key are sent in submission order whatever their
+                priorities.
+            what: description for error messages.
+            on_done: called (on the I/O thread, or at once if the request fails early) when
+                the request completes.
+        """
+        rid = next(self._ids)
+        frames = wire.encode(op, rid, fields, payloads)
+        nbytes = sum(wire.buffer_nbytes(f) for f in frames)
+        request = Request(rid, server, op, what or op.name, nbytes)
+        request._done_cb = on_done
+        with self._lock:
+            if self._closing:
+                raise KVStoreError("the store is closed")
+            lost = self._lost.get(server)
+            if lost is None:
+                self._pending[rid] = request
+                effective = priority
+                if order_key is not None:
+                    entry = self._queued_by_key.get(order_key)
+                    if entry is None:
+                        self._queued_by_key[order_key] = [1, priority]
+                    else:
+                        # Never be sent before an earlier request of the same key.
+                        effective = min(priority, entry[1])
+                        entry[0] += 1
+                        entry[1] = effective
+                heapq.heappush(
+                    self._queue, (-effective, next(self._seq), server, frames, request, order_key)
+                )
+                self._wake()
+        if lost is not None:
+            request._complete(None, ConnectionLostError(f"{request.what}: {lost}"))
+        return request
+
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        """Stop the I/O thread and close the sockets; pending requests fail."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._wake()
+        self._thread.join()
+        for monitor in self._monitors:
+            monitor.close(0)
+        for sock in self._sockets:
+            sock.close(0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self._own_context:
+            self._context.term()
+        error = KVStoreError("the store was closed before the reply arrived")
+        for request in list(self._pending.values()):
+            request._complete(None, error)
+        self._pending.clear()
+
+    # I/O thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in self._sockets:
+            poller.register(sock, zmq.POLLIN)
+        for monitor in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while True:
+                self._flush()
+                with self._lock:
+                    if self._closing:
+                        return
+                events = dict(poller.poll(1000))
+                if self._wake_r in events:
+                    with self._lock:
+                        self._wake_pending = False
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                for sock in self._sockets:
+                    if sock in events:
+                        self._receive_all(sock)
+                for monitor, rank in self._monitors.items():
+                    if monitor in events:
+                        self._on_monitor(monitor, rank)
+        except Exception:
+            logger.exception("the kvstore I/O thread failed")
+            self._fail_all(KVStoreError("the kvstore I/O thread failed; see the log"))
+
+    def _flush(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                _, _, server, frames, request, order_key = heapq.heappop(self._queue)
+                if order_key is not None:
+                    entry = self._queued_by_key[order_key]
+                    entry[0] -= 1
+                    if entry[0] == 0:
+                        del self._queued_by_key[order_key]
+                lost = self._lost.get(server)
+            if lost is not None:
+                self._fail(request, ConnectionLostError(f"{request.what}: {lost}"))
+                continue
+            try:
+                self._sockets[server].send_multipart(frames, copy=False)
+            except zmq.ZMQError as exc:
+                self._fail(request, ConnectionLostError(f"{request.what}: send failed: {exc}"))
+
+    def _receive_all(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.decode(frames)
+            except ProtocolError as exc:
+                rid = wire.peek_request_id(frames)
+                logger.error("malformed reply (request %d): %s", rid, exc)
+                with self._lock:
+                    request = self._pending.pop(rid, None)
+                if request is not None:
+                    request._complete(None, exc)
+                continue
+            with self._lock:
+                request = self._pending.pop(msg.rid, None)
+            if request is None:
+                logger.warning("reply to unknown request %d ignored", msg.rid)
+                continue
+            if msg.op is Op.ERROR:
+                where = f"server {request.server} ({self.servers[request.server]})"
+                error = error_from_code(msg["code"], msg["msg"], where)
+                request._complete(None, error)
+            elif msg.op is Op.REPLY:
+                request._complete(msg, None)
+            else:
+                request._complete(None, ProtocolError(f"unexpected {msg.op.name} as a reply"))
+
+    def _on_monitor(self, monitor: zmq.Socket, rank: int) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._connected.add(rank)
+            elif event["event"] == zmq.EVENT_DISCONNECTED and rank in self._connected:
+                reason = (
+                    f"server {rank} ({self.servers[rank]}) closed the connection "
+                    f"(it stopped or died)"
+                )
+                logger.error("%s", reason)
+                with self._lock:
+                    self._lost[rank] = reason
+                    failed = [r for r in self._pending.values() if r.server == rank]
+                    for request in failed:
+                        del self._pending[request.rid]
+                for request in failed:
+                    request._complete(None, ConnectionLostError(f"{request.what}: {reason}"))
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        with self._lock:
+            self._pending.pop(request.rid, None)
+        request._complete(None, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            failed = list(self._pending.values())
+            self._pending.clear()
+        for request in failed:
+            request._complete(None, error)

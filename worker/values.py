@@ -1,0 +1,244 @@
+"""Adapters between user values (numpy arrays, torch tensors, CuPy arrays) and flat buffers.
+
+The client works on flat, contiguous 1-D arrays: numpy for host memory, CuPy for GPU memory.
+This module turns a user value into such an array without copying when it can (a contiguous
+numpy array or CPU tensor is viewed, a CUDA tensor is wrapped by CuPy through
+``__cuda_array_interface__``), and writes results back into ``out`` in place, keeping its type
+and device.
+
+torch and CuPy are imported only when a value of theirs shows up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.codecs.xp import cupy_or_none, is_cupy_array
+from kvstore.wire import DTYPES
+
+logger = logging.getLogger(__name__)
+
+_warned_cuda_fallback = False
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """Shape, dtype and placement of a user value.
+
+    Attributes:
+        shape: the value's shape.
+        dtype: numpy-style dtype name (``"float32"``).
+        on_gpu: True for CuPy arrays and CUDA tensors.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    on_gpu: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    if "torch" not in sys.modules:
+        return False
+    import torch  # noqa: PLC0415
+
+    return isinstance(value, torch.Tensor)
+
+
+def _torch_dtype_name(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def describe(value: Any, name: str = "value") -> ValueInfo:
+    """Shape, dtype and placement of ``value``.
+
+    Raises:
+        TypeError: ``value`` is not a numpy array, torch tensor or CuPy array, or its dtype is
+            not supported.
+    """
+    if isinstance(value, np.ndarray):
+        info = ValueInfo(tuple(value.shape), value.dtype.name, False)
+    elif _is_torch_tensor(value):
+        info = ValueInfo(tuple(value.shape), _torch_dtype_name(value), value.device.type != "cpu")
+    elif is_cupy_array(value):
+        info = ValueInfo(tuple(value.shape), value.dtype.name, True)
+    else:
+        raise TypeError(
+            f"expected a numpy array, torch tensor or CuPy array for `{name}`, "
+            f"got {type(value).__name__}"
+        )
+    if info.dtype not in DTYPES:
+        raise TypeError(
+            f"`{name}` has dtype {info.dtype}, which kvstore does not support; "
+            f"supported: {', '.join(sorted(DTYPES))}"
+        )
+    return info
+
+
+def _cuda_tensor_to_cupy(tensor: Any) -> Any:
+    cupy = cupy_or_none()
+    if cupy is None:
+        return None
+    return cupy.asarray(tensor.detach())
+
+
+def _warn_cuda_fallback() -> None:
+    global _warned_cuda_fallback
+    if not _warned_cuda_fallback:
+        _warned_cuda_fallback = True
+        logger.warning(
+            "CUDA tensors are encoded on the CPU because CuPy is not installed "
+            "(pip install 'pskv[gpu]' encodes them on the GPU)"
+        )
+
+
+def flat_source(value: Any) -> Any:
+    """A flat, contiguous array with the data of ``value`` (a view when possible).
+
+    Host values give numpy arrays; GPU values give CuPy arrays (or, without CuPy, a host copy).
+    """
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value).reshape(-1)
+    if _is_torch_tensor(value):
+        tensor = value.detach()
+        if tensor.device.type == "cpu":
+            return tensor.contiguous().numpy().reshape(-1)
+        wrapped = _cuda_tensor_to_cupy(tensor.contiguous())
+        if wrapped is None:
+            _warn_cuda_fallback()
+            return tensor.contiguous().cpu().numpy().reshape(-1)
+        return wrapped.reshape(-1)
+    cupy = cupy_or_none()
+    return cupy.ascontiguousarray(value).reshape(-1)
+
+
+def host_copy(flat: Any) -> np.ndarray:
+    """``flat`` as a numpy array (copied from the GPU if needed)."""
+    if isinstance(flat, np.ndarray):
+        return flat
+    return flat.get()
+
+
+class FlatTarget:
+    """Writes pulled chunks into ``out`` in place.
+
+    For a contiguous host ``out`` the chunks go straight into its memory; otherwise they go into
+    a staging array that :meth:`finish` copies into ``out``.
+    """
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self._finish: Callable[[], None] | None = None
+        self.on_gpu = False
+        if isinstance(out, np.ndarray):
+            self._init_numpy(out)
+        elif _is_torch_tensor(out):
+            self._init_torch(out)
+        else:  # CuPy
+            self.on_gpu = True
+            self.flat = out.reshape(-1) if out.flags.c_contiguous else None
+            if self.flat is None:
+                staging = cupy_or_none().empty(out.size, dtype=out.dtype)
+                self.flat = staging
+
+                def finish() -> None:
+                    out[...] = staging.reshape(out.shape)
+
+                self._finish = finish
+
+    def _init_numpy(self, out: np.ndarray) -> None:
+        if not out.flags.writeable:
+            raise ValueError("`out` is read-only")
+        if out.flags.c_contiguous:
+            self.flat = out.reshape(-1)
+        else:
+            staging = np.empty(out.size, dtype=out.dtype)
+            self.flat = staging
+
+            def finish() -> None:
+                np.copyto(out, staging.reshape(out.shape))
+
+            self._finish = finish
+
+    def _init_torch(self, out: Any) -> None:
+        tensor = out.detach()
+        if tensor.device.type == "cpu":
+            if tensor.is_contiguous():
+                self.flat = tensor.numpy().reshape(-1)
+            else:
+                staging = np.empty(tensor.numel(), dtype=_torch_dtype_name(tensor))
+                self.flat = staging
+
+                def finish() -> None:
+                    import torch  # noqa: PLC0415
+
+                    tensor.copy_(torch.from_numpy(staging).view(tensor.shape))
+
+                self._finish = finish
+            return
+        wrapped = _cuda_tensor_to_cupy(tensor) if tensor.is_contiguous() else None
+        if wrapped is not None:
+            self.on_gpu = True
+            self.flat = wrapped.reshape(-1)
+            return
+        staging = np.empty(tensor.numel(), dtype=_torch_dtype_name(tensor))
+        self.flat = staging
+
+        def finish() -> None:
+            import torch  # noqa: PLC0415
+
+            tensor.copy_(torch.from_numpy(staging).view(tensor.shape), non_blocking=False)
+
+        self._finish = finish
+
+    def write(self, start: int, stop: int, data: np.ndarray) -> None:
+        """Copy host ``data`` into elements ``[start, stop)``."""
+        if self.on_gpu:
+            self.flat[start:stop].set(data)
+        else:
+            np.copyto(self.flat[start:stop], data, casting="no")
+
+    def finish(self) -> None:
+        """Complete the write (copy staging into ``out`` when one was needed)."""
+        if self._finish is not None:
+            self._finish()
+
+
+@contextlib.contextmanager
+def device_stream(value: Any) -> Iterator[None]:
+    """Run GPU work for a CUDA tensor on torch's current stream (a no-op otherwise).
+
+    CuPy then orders its kernels after the work that produced the tensor (backward) without a
+    device-wide synchronization.
+    """
+    if not (_is_torch_tensor(value) and value.device.type == "cuda"):
+        yield
+        return
+    cupy = cupy_or_none()
+    if cupy is None:
+        yield
+        return
+    import torch  # noqa: PLC0415
+
+    with cupy.cuda.Device(value.device.index or 0):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(value.device).cuda_stream)
+        with stream:
+            yield
+
+
+def gpu_device_of(flat: Any) -> Any:
+    """The CuPy device of a CuPy array, or None for host arrays."""
+    return flat.device if is_cupy_array(flat) else None
