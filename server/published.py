@@ -68,9 +68,15 @@ class PublishedValue:
         if old is not array:
             self._retired.append(old)
             # Keep at most one idle spare; drop the rest once no send reads them.
-            idle = [a for a in self._retired if not self._in_flight(a)]
-            for extra in idle[1:]:
-                self._retired.remove(extra)
+            kept_idle = False
+            retired = []
+            for array in self._retired:
+                if self._in_flight(array):
+                    retired.append(array)
+                elif not kept_idle:
+                    retired.append(array)
+                    kept_idle = True
+            self._retired = retired
 
     def give_back(self, array: np.ndarray) -> None:
         """Return an unpublished spare (an update that failed)."""

@@ -1,0 +1,185 @@
+"""Helpers shared by the tests: the install guard, a slow 2-bit oracle, and server processes.
+
+Imports nothing from kvstore at module level, so :func:`require_installed` can report a missing
+install itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+INSTALL_HINT = "run `pip install -e .` (or `pip install -e '.[dev]'`) in the repository root first"
+
+
+def require_installed() -> None:
+    """Raise with an install hint unless the kvstore package and its subpackages import."""
+    try:
+        import kvstore  # noqa: F401
+        import kvstore.codecs  # noqa: F401
+        import kvstore.deploy  # noqa: F401
+        import kvstore.server  # noqa: F401
+        import kvstore.worker  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"kvstore is not installed ({exc}): {INSTALL_HINT}") from exc
+
+
+# 2-bit oracle: one element at a time, float32 scalars, straight from the spec ----------------
+
+
+def oracle_encode(grad: Sequence[float], residual: Any, threshold: float) -> tuple[bytes, list]:
+    """Per-element 2-bit encode. Updates ``residual`` (a float32 numpy array) in place.
+
+    Returns the packed bytes (``ceil(n/16)*4`` of them) and the list of codes.
+    """
+    import numpy as np
+
+    t = np.float32(threshold)
+    codes = []
+    for i in range(len(grad)):
+        x = np.float32(residual[i] + np.float32(grad[i]))
+        if x >= t:
+            code = 3
+            x = np.float32(x - t)
+        elif x <= -t:
+            code = 2
+            x = np.float32(x + t)
+        else:
+            code = 0
+        residual[i] = x
+        codes.append(code)
+    words = -(-len(codes) // 16)
+    padded = codes + [0] * (words * 16 - len(codes))
+    out = bytearray()
+    for j in range(0, len(padded), 4):
+        c0, c1, c2, c3 = padded[j : j + 4]
+        out.append(c0 << 6 | c1 << 4 | c2 << 2 | c3)
+    return bytes(out), codes
+
+
+def oracle_decode(codes: Sequence[int], threshold: float) -> Any:
+    """Dequantized float32 values of a list of codes: 11 -> +t, 10 -> -t, else 0."""
+    import numpy as np
+
+    t = np.float32(threshold)
+    values = np.zeros(len(codes), dtype=np.float32)
+    for i, code in enumerate(codes):
+        if code == 3:
+            values[i] = t
+        elif code == 2:
+            values[i] = -t
+    return values
+
+
+# processes -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    address: str
+    rank: int
+
+
+def start_servers(
+    num_servers: int,
+    num_workers: int,
+    *,
+    threads: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> list[ServerProcess]:
+    """Start ``num_servers`` ``kvstore-server`` processes on 127.0.0.1, port 0; wait for READY."""
+    servers = []
+    try:
+        for rank in range(num_servers):
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvstore.server",
+                    "--port",
+                    "0",
+                    "--server-rank",
+                    str(rank),
+                    "--num-servers",
+                    str(num_servers),
+                    "--num-workers",
+                    str(num_workers),
+                    "--threads",
+                    str(threads),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "KVSTORE_LOG_LEVEL": "ERROR", **(env or {})},
+                text=True,
+            )
+            servers.append(ServerProcess(process, "", rank))
+        for server in servers:
+            server.address = _read_ready(server.process, timeout)
+    except BaseException:
+        stop_processes([s.process for s in servers])
+        raise
+    return servers
+
+
+def _read_ready(process: subprocess.Popen, timeout: float) -> str:
+    result: list[str] = []
+
+    def read() -> None:
+        line = process.stdout.readline()
+        result.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not result or not result[0].startswith("KVSTORE_READY "):
+        raise RuntimeError(f"server did not print its READY line: {result!r}")
+    return result[0].split()[1]
+
+
+def stop_processes(processes: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+    """Stop processes by pid: SIGTERM, wait, then SIGKILL."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def run_ranks(num_workers: int, fn: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(rank)`` for every rank on its own thread; return results, re-raise errors."""
+    with ThreadPoolExecutor(max_workers=num_workers) as pool:
+        futures = [pool.submit(fn, rank) for rank in range(num_workers)]
+        return [f.result(timeout=timeout) for f in futures]
+
+
+def run_ranks_outcomes(
+    num_workers: int, fn: Callable[[int], Any], timeout: float = 60.0
+) -> list[Any]:
+    """Like :func:`run_ranks`, but returns each rank's exception instead of raising it."""
+
+    def guarded(rank: int) -> Any:
+        try:
+            return fn(rank)
+        except Exception as exc:  # the test inspects it
+            return exc
+
+    return run_ranks(num_workers, guarded, timeout)

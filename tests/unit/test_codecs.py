@@ -1,0 +1,74 @@
+"""The codec interface, registry and identity codec."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.codecs import Codec, accumulator_dtype, codec_from_spec, get_codec, register_codec
+from kvstore.codecs import registered_codecs
+from kvstore.errors import CodecError
+
+
+def test_registry_lists_builtins_and_rejects_duplicates():
+    assert {"2bit", "none"} <= set(registered_codecs())
+
+    class Again(Codec):
+        name = "2bit"
+
+    with pytest.raises(CodecError, match="already registered"):
+        register_codec(Again)
+
+
+def test_spec_round_trip_and_equality():
+    codec = codec_from_spec({"type": "2bit", "threshold": 0.1})
+    assert codec.spec() == {"type": "2bit", "threshold": float(np.float32(0.1))}
+    assert codec == codec_from_spec(codec.spec())
+    assert codec != get_codec("2bit", threshold=0.2)
+    assert codec_from_spec({"type": "none"}) == get_codec("none")
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("2bit", "must be a dict"),
+        ({"threshold": 0.5}, "need a 'type'"),
+        ({"type": 2}, "expected str for codec"),
+        ({"type": "zip"}, "unknown codec 'zip'"),
+        ({"type": "none", "level": 3}, "unknown parameter"),
+    ],
+)
+def test_bad_specs(spec, match):
+    with pytest.raises(CodecError, match=match):
+        codec_from_spec(spec)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int32", "int64"])
+def test_identity_codec_round_trip_and_sums_in_the_accumulator_dtype(dtype):
+    codec = get_codec("none")
+    values = (np.arange(40) - 20).astype(dtype)
+    encoder = codec.make_encoder(40, dtype)
+    (payload,) = encoder.encode(values)
+    assert codec.payload_nbytes(40, dtype) == (values.nbytes,)
+    values[:] = 0  # the caller's memory is free after encode
+    aggregator = codec.make_aggregator(40, dtype)
+    aggregator.add([bytes(payload)], first=True)
+    aggregator.add([bytes(payload)], first=False)
+    assert aggregator.result.dtype == accumulator_dtype(dtype)
+    assert aggregator.result.tolist() == [2 * (i - 20) for i in range(40)]
+
+
+def test_payload_sizes_are_validated():
+    codec = get_codec("2bit")
+    codec.validate_payloads([b"\0" * 8], 17, "float32")
+    with pytest.raises(CodecError, match=r"payload frames of \[8\] bytes, got \[4\]"):
+        codec.validate_payloads([b"\0" * 4], 17, "float32")
+    with pytest.raises(CodecError):
+        codec.validate_payloads([b"\0" * 8, b""], 17, "float32")
+
+
+def test_unsupported_dtypes():
+    with pytest.raises(CodecError, match="supported"):
+        accumulator_dtype("complex64")
+    with pytest.raises(CodecError, match="supports"):
+        get_codec("none").make_encoder(4, "uint8")

@@ -1,0 +1,93 @@
+"""Configuration from the environment: clear errors naming the variable."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import (
+    ENV_VARS,
+    ClusterConfig,
+    ServerConfig,
+    WorkerOptions,
+    cpu_kernels_from_env,
+    server_threads_from_env,
+)
+from kvstore.errors import ConfigError
+
+GOOD = {
+    "KVSTORE_SERVERS": "tcp://10.0.0.1:9100,tcp://10.0.0.2:9100",
+    "KVSTORE_RANK": "1",
+    "KVSTORE_NUM_WORKERS": "2",
+}
+
+
+def test_cluster_from_env():
+    cluster = ClusterConfig.from_env(GOOD)
+    assert cluster.servers == ("tcp://10.0.0.1:9100", "tcp://10.0.0.2:9100")
+    assert (cluster.rank, cluster.num_workers, cluster.num_servers) == (1, 2, 2)
+
+
+@pytest.mark.parametrize("missing", sorted(GOOD))
+def test_missing_variable_names_it_and_points_at_the_launcher(missing):
+    env = {k: v for k, v in GOOD.items() if k != missing}
+    with pytest.raises(ConfigError, match=rf"{missing} is not set.*kvstore-launch"):
+        ClusterConfig.from_env(env)
+
+
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("KVSTORE_RANK", "one", "KVSTORE_RANK='one' is not an integer"),
+        ("KVSTORE_RANK", "-1", "must be >= 0"),
+        ("KVSTORE_RANK", "2", "KVSTORE_RANK=2 is out of range"),
+        ("KVSTORE_NUM_WORKERS", "0", "KVSTORE_NUM_WORKERS='0' must be >= 1"),
+        ("KVSTORE_SERVERS", "10.0.0.1:9100", "not an address of the form tcp://HOST:PORT"),
+        ("KVSTORE_SERVERS", "tcp://a:1,,tcp://b:2", "empty entry"),
+        ("KVSTORE_SERVERS", "tcp://a:1,tcp://a:1", "same server twice"),
+        ("KVSTORE_SERVERS", "tcp://a:99999", "out of range"),
+    ],
+)
+def test_malformed_variables(name, value, match):
+    with pytest.raises(ConfigError, match=re.escape(match) if "*" not in match else match):
+        ClusterConfig.from_env({**GOOD, name: value})
+
+
+def test_worker_options_defaults_env_and_overrides():
+    assert WorkerOptions.from_env({}) == WorkerOptions()
+    opts = WorkerOptions.from_env(
+        {"KVSTORE_BIGARRAY_BOUND": "64", "KVSTORE_TIMEOUT": "2.5", "KVSTORE_PARTITION_BYTES": "4096"}
+    )
+    assert (opts.bigarray_bound, opts.timeout, opts.partition_bytes) == (64, 2.5, 4096)
+    assert WorkerOptions.from_env({"KVSTORE_TIMEOUT": "0"}).timeout is None
+    assert WorkerOptions.from_env({"KVSTORE_TIMEOUT": "9"}, timeout=1.0).timeout == 1.0
+    with pytest.raises(ConfigError, match="KVSTORE_BIGARRAY_BOUND='x' is not an integer"):
+        WorkerOptions.from_env({"KVSTORE_BIGARRAY_BOUND": "x"})
+    with pytest.raises(ConfigError, match="KVSTORE_TIMEOUT='-1'"):
+        WorkerOptions.from_env({"KVSTORE_TIMEOUT": "-1"})
+    with pytest.raises(ConfigError, match="KVSTORE_PARTITION_BYTES"):
+        WorkerOptions.from_env({"KVSTORE_PARTITION_BYTES": "8"})
+
+
+def test_server_config_validation():
+    with pytest.raises(ConfigError, match="--server-rank 2 is out of range"):
+        ServerConfig(server_rank=2, num_servers=2)
+    with pytest.raises(ConfigError, match="--num-workers"):
+        ServerConfig(num_workers=0)
+    with pytest.raises(ConfigError, match="--port"):
+        ServerConfig(port=70000)
+    assert server_threads_from_env({"KVSTORE_SERVER_THREADS": "3"}) == 3
+    with pytest.raises(ConfigError, match="KVSTORE_SERVER_THREADS"):
+        server_threads_from_env({"KVSTORE_SERVER_THREADS": "0"})
+    assert cpu_kernels_from_env({}) == "numba"
+    with pytest.raises(ConfigError, match="KVSTORE_CPU_KERNELS"):
+        cpu_kernels_from_env({"KVSTORE_CPU_KERNELS": "gpu"})
+
+
+def test_readme_documents_every_variable():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("| variable") :]
+    for var in ENV_VARS:
+        assert f"`{var.name}`" in table, f"README's table lacks {var.name}"

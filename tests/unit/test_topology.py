@@ -1,0 +1,123 @@
+"""Topology: stable placement of small keys, 16-aligned splits of big ones, chunking."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.topology import (
+    WORD_ELEMS,
+    plan_chunks,
+    server_for_key,
+    split_bounds,
+    stable_key_hash,
+)
+
+MB = 1_000_000
+
+
+def test_hash_is_stable_across_runs_and_processes():
+    values = [stable_key_hash(k) for k in (0, 1, -1, 2**62, "w", "conv1.weight", "")]
+    code = (
+        "from kvstore.topology import stable_key_hash as h;"
+        "print([h(k) for k in (0, 1, -1, 2**62, 'w', 'conv1.weight', '')])"
+    )
+    for seed in ("1", "2"):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+        ).stdout
+        assert out.strip() == str(values)
+
+
+def test_golden_hash_values():
+    # Frozen: a change here moves every key of every existing job to another server.
+    assert [stable_key_hash(k) for k in (0, 1, "w")] == [
+        0x36A9A4603B97BEC7,
+        0xB5C1FA3EA5B662FA,
+        0xCE8654649BBD6FCC,
+    ]
+    assert [server_for_key(k, 4) for k in ("w", "conv1.weight", 3, 7)] == [0, 0, 3, 2]
+
+
+def test_int_and_str_keys_differ():
+    assert stable_key_hash(1) != stable_key_hash("1")
+
+
+def test_hash_rejects_other_types():
+    with pytest.raises(TypeError, match="int or str"):
+        stable_key_hash(1.0)
+    with pytest.raises(TypeError):
+        stable_key_hash(True)
+
+
+def test_small_keys_spread_over_servers():
+    counts = [0, 0, 0, 0]
+    for key in range(4000):
+        counts[server_for_key(key, 4)] += 1
+    assert min(counts) > 800
+
+
+@pytest.mark.parametrize("numel", [MB, 1_500_000, 1_000_007, 25_557_032])
+@pytest.mark.parametrize("servers", [2, 3, 4, 7])
+def test_split_bounds_are_contiguous_balanced_and_16_aligned(numel, servers):
+    bounds = split_bounds(numel, servers)
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    for (_, stop), (start, _) in zip(bounds, bounds[1:], strict=False):
+        assert stop == start
+    for start, stop in bounds[:-1]:
+        assert start % WORD_ELEMS == 0 and stop % WORD_ELEMS == 0
+    sizes = [stop - start for start, stop in bounds]
+    assert max(sizes) - min(sizes) <= WORD_ELEMS
+
+
+def test_key_of_1_5m_elements_over_two_servers():
+    chunks = plan_chunks("big", 1_500_000, 2, bigarray_bound=MB, partition_elems=2**30)
+    assert [(c.server, c.start, c.stop) for c in chunks] == [(0, 0, 750_000), (1, 750_000, 1_500_000)]
+
+
+def test_keys_below_the_bound_stay_whole():
+    chunks = plan_chunks("w", MB - 1, 4, bigarray_bound=MB, partition_elems=2**30)
+    assert len(chunks) == 1
+    assert chunks[0].server == server_for_key("w", 4)
+    assert (chunks[0].start, chunks[0].stop) == (0, MB - 1)
+
+
+def test_the_bound_itself_splits():
+    chunks = plan_chunks("w", MB, 4, bigarray_bound=MB, partition_elems=2**30)
+    assert [c.server for c in chunks] == [0, 1, 2, 3]
+
+
+def test_partitions_cut_slices_on_16_element_boundaries():
+    chunks = plan_chunks(5, 1_000_007, 2, bigarray_bound=MB, partition_elems=160_000)
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert chunks[0].start == 0 and chunks[-1].stop == 1_000_007
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        assert a.stop == b.start
+        assert a.stop % WORD_ELEMS == 0
+        assert a.numel <= 160_000
+    assert {c.server for c in chunks} == {0, 1}
+    # chunks of one server are contiguous and in order
+    assert [c.server for c in chunks] == sorted(c.server for c in chunks)
+
+
+def test_tiny_big_array_skips_empty_slices_and_empty_keys_have_one_chunk():
+    chunks = plan_chunks("t", 20, 4, bigarray_bound=1, partition_elems=16)
+    assert sum(c.numel for c in chunks) == 20
+    assert all(c.numel > 0 for c in chunks)
+    empty = plan_chunks("e", 0, 4, bigarray_bound=MB, partition_elems=16)
+    assert len(empty) == 1 and empty[0].numel == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        plan_chunks(1, 10, 1, bigarray_bound=MB, partition_elems=10)
+    with pytest.raises(ValueError):
+        plan_chunks(1, -1, 1, bigarray_bound=MB, partition_elems=16)
+    with pytest.raises(ValueError):
+        server_for_key(1, 0)
