@@ -183,3 +183,50 @@ def run_ranks_outcomes(
             return exc
 
     return run_ranks(num_workers, guarded, timeout)
+
+
+class RawClient:
+    """A bare DEALER socket that speaks the wire protocol, for poking a server directly."""
+
+    def __init__(self, address: str, identity: bytes | None = None) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        if identity is not None:
+            self.socket.setsockopt(zmq.ROUTING_ID, identity)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self._rid = 1000
+
+    def hello(self, rank: int = 0, num_workers: int = 1, mode: str = "dist_sync", **extra: Any):
+        fields = {"r": rank, "nw": num_workers, "ns": 1, "si": 0, "m": mode, **extra}
+        return self.request("HELLO", fields)
+
+    def send(self, op: str, fields: dict | None = None, payloads: Sequence[Any] = ()) -> int:
+        from kvstore import wire
+
+        self._rid += 1
+        self.socket.send_multipart(wire.encode(wire.Op[op], self._rid, fields, payloads))
+        return self._rid
+
+    def send_frames(self, frames: Sequence[bytes]) -> None:
+        self.socket.send_multipart(list(frames))
+
+    def receive(self, timeout: float = 10.0):
+        from kvstore import wire
+
+        if not self.socket.poll(int(timeout * 1000)):
+            raise TimeoutError("no reply from the server")
+        return wire.decode(self.socket.recv_multipart())
+
+    def request(self, op: str, fields: dict | None = None, payloads: Sequence[Any] = ()):
+        rid = self.send(op, fields, payloads)
+        reply = self.receive()
+        assert reply.rid == rid, (reply.rid, rid)
+        return reply
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.context.term()

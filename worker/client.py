@@ -441,6 +441,8 @@ class KVStore:
                     order_key=(state.key, chunk.index),
                     what=f"{op.name} of key {state.key!r} chunk {chunk.index}",
                 )
+                if request.failed():  # refused before sending (the server is gone)
+                    request.wait()
                 state.last_push[chunk.index] = request
                 requests.append(request)
                 self._stats.pushed_bytes += request.nbytes

@@ -1,0 +1,230 @@
+"""The worker client against real server processes (workers as threads of this process)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+import kvtest
+from kvtest import run_ranks
+
+import kvstore
+
+pytestmark = pytest.mark.integration
+
+
+def connect(addresses, rank=0, num_workers=1, mode="dist_sync", **kwargs):
+    kwargs.setdefault("timeout", 30)
+    return kvstore.create(mode, servers=addresses, rank=rank, num_workers=num_workers, **kwargs)
+
+
+def test_single_worker_int_and_str_keys_lists_and_pushpull(one_server):
+    with connect([one_server]) as kv:
+        assert (kv.type, kv.rank, kv.num_workers, kv.num_servers) == ("dist_sync", 0, 1, 1)
+        kv.init([1, "b"], [np.zeros((2, 3), np.float32), np.arange(5, dtype=np.float64)])
+        out1, outb = np.empty((2, 3), np.float32), np.empty(5, np.float64)
+        kv.pull([1, "b"], out=[out1, outb])
+        assert outb.tolist() == [0, 1, 2, 3, 4]
+        kv.push([1, "b"], [np.ones((2, 3), np.float32), np.full(5, 0.5)], priority=3)
+        kv.pull([1, "b"], out=[out1, outb], priority=-1)
+        assert out1.tolist() == [[1, 1, 1]] * 2 and outb.tolist() == [0.5] * 5
+        value = np.full((2, 3), 7, np.float32)
+        kv.pushpull(1, value)  # out defaults to value: filled in place
+        assert value.tolist() == [[7, 7, 7]] * 2
+        other = np.zeros((2, 3), np.float32)
+        kv.pushpull(1, np.full((2, 3), 9, np.float32), out=other)
+        assert other.tolist() == [[9, 9, 9]] * 2
+
+
+def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):
+    addresses = servers_factory(2, 2)
+    n = 10_007
+
+    def worker(rank):
+        with connect(addresses, rank, 2, bigarray_bound=1000, partition_bytes=4096) as kv:
+            kv.init("k", np.zeros(n, np.float32))
+            results = []
+            for step in range(3):
+                kv.push("k", np.arange(n, dtype=np.float32) * (rank + 1) + step)
+                out = np.empty(n, np.float32)
+                kv.pull("k", out=out)
+                results.append(out)
+            kv.barrier()
+            return results
+
+    for results in run_ranks(2, worker):
+        for step, out in enumerate(results):
+            np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) * 3 + 2 * step)
+
+
+def test_pull_waits_for_the_round_and_reads_own_pushes(servers_factory):
+    addresses = servers_factory(1, 2)
+
+    def worker(rank):
+        with connect(addresses, rank, 2) as kv:
+            kv.init(0, np.zeros(4, np.float32))
+            if rank == 1:
+                time.sleep(0.5)  # rank 0's pull must wait for this push
+            start = time.monotonic()
+            kv.push(0, np.full(4, rank + 1, np.float32))
+            if rank == 0:
+                kv.push(0, np.full(4, 10, np.float32))  # waits for round 1: a new round
+            out = np.empty(4, np.float32)
+            if rank == 1:
+                kv.pull(0, out=out)
+                first = out.copy()  # round 1 only
+                kv.push(0, np.full(4, 20, np.float32))
+            kv.pull(0, out=out)
+            waited = time.monotonic() - start
+            return (first if rank == 1 else None), out, waited
+
+    (_, out0, waited0), (first1, out1, _) = run_ranks(2, worker)
+    assert first1.tolist() == [3] * 4
+    assert out0.tolist() == out1.tolist() == [30] * 4
+    assert waited0 >= 0.4
+
+
+def test_barrier_means_every_push_is_applied(servers_factory):
+    addresses = servers_factory(2, 3)
+
+    def worker(rank):
+        with connect(addresses, rank, 3, mode="dist_async") as kv:
+            kv.set_optimizer("sgd", learning_rate=1.0)
+            kv.init("x", np.zeros(8, np.float32))
+            for _ in range(rank + 1):
+                kv.push("x", np.full(8, -1, np.float32))
+            kv.barrier()
+            out = np.empty(8, np.float32)
+            kv.pull("x", out=out)
+            return out
+
+    for out in run_ranks(3, worker):
+        assert out.tolist() == [6] * 8  # 1 + 2 + 3 pushes of -1, lr 1
+
+
+def test_set_optimizer_again_keeps_momentum_and_changes_lr(one_server):
+    with connect([one_server]) as kv:
+        kv.set_optimizer("sgd", learning_rate=0.5, momentum=0.5)
+        kv.init("w", np.zeros(3, np.float32))
+        g = np.ones(3, np.float32)
+        out = np.empty(3, np.float32)
+        kv.push("w", g)
+        kv.pull("w", out=out)  # mom = -0.5, w = -0.5
+        kv.set_optimizer("sgd", learning_rate=0.25, momentum=0.5)
+        kv.push("w", g)
+        kv.pull("w", out=out)  # mom = -0.25 - 0.25 = -0.5, w = -1.0
+        assert out.tolist() == [-1.0] * 3
+        assert kv.optimizer.params["learning_rate"] == 0.25
+
+
+def test_adam_on_the_server(one_server):
+    with connect([one_server]) as kv:
+        kv.set_optimizer("adam", learning_rate=0.1)
+        kv.init("w", np.ones(5, np.float32))
+        out = np.empty(5, np.float32)
+        grads = [np.linspace(-1, 1, 5).astype(np.float32) * s for s in (1, 2, -3)]
+        w, m, v = np.ones(5, np.float32), np.zeros(5, np.float32), np.zeros(5, np.float32)
+        for t, g in enumerate(grads, start=1):
+            kv.push("w", g)
+            kv.pull("w", out=out)
+            m = np.float32(0.9) * m + np.float32(0.1) * g
+            v = np.float32(0.999) * v + np.float32(1 - 0.999) * g * g
+            lr_t = np.float32(0.1 * math.sqrt(1 - 0.999**t) / (1 - 0.9**t))
+            w = w - lr_t * m / (np.sqrt(v) + np.float32(1e-8))
+            np.testing.assert_allclose(out, w, rtol=1e-5, atol=1e-6)
+
+
+def test_float16_and_integer_keys(servers_factory):
+    addresses = servers_factory(1, 2)
+
+    def worker(rank):
+        with connect(addresses, rank, 2) as kv:
+            kv.init(["h", "i"], [np.zeros(6, np.float16), np.zeros(6, np.int64)])
+            kv.push(["h", "i"], [np.full(6, 0.1, np.float16), np.full(6, 2**40, np.int64)])
+            h, i = np.empty(6, np.float16), np.empty(6, np.int64)
+            kv.pull(["h", "i"], out=[h, i])
+            return h, i
+
+    for h, i in run_ranks(2, worker):
+        # summed in float32 on the server, returned as float16
+        assert h.tolist() == [float(np.float16(np.float32(np.float16(0.1)) * 2))] * 6
+        assert i.tolist() == [2**41] * 6
+
+
+def test_traffic_stats_show_the_compression(one_server):
+    with connect([one_server]) as kv:
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        assert kv.compression == {"type": "2bit", "threshold": 0.5}
+        kv.init("w", np.zeros(1_000_000, np.float32))
+        kv.push("w", np.ones(1_000_000, np.float32))
+        out = np.empty(1_000_000, np.float32)
+        kv.pull("w", out=out)
+        stats = kv.stats()
+        assert stats.pushed_raw_bytes == 4_000_000
+        assert 250_000 <= stats.pushed_bytes < 251_000  # 2 bits per element + a header
+        assert 15.9 < stats.compression_ratio <= 16
+        assert stats.pulled_bytes == 4_000_000
+        assert stats.as_dict()["push_messages"] == 1
+
+
+def test_torch_tensors_keep_their_type(one_server):
+    torch = pytest.importorskip("torch")
+    with connect([one_server]) as kv:
+        weight = torch.zeros(4, 3)
+        kv.init("t", weight)
+        kv.push("t", torch.arange(12, dtype=torch.float32).reshape(4, 3))
+        kv.pull("t", out=weight)
+        assert isinstance(weight, torch.Tensor)
+        assert weight.flatten().tolist() == list(range(12))
+        transposed = torch.zeros(3, 4).t()  # a non-contiguous (4, 3) view
+        kv.pull("t", out=transposed)
+        assert transposed.flatten().tolist() == list(range(12))
+        param = torch.nn.Parameter(torch.zeros(4, 3))  # requires_grad: filled in place
+        kv.push("t", torch.ones(4, 3).t().contiguous().t())  # non-contiguous value
+        kv.pull("t", out=param)
+        assert param.detach().flatten().tolist() == [1.0] * 12
+        with pytest.raises(kvstore.ValueMismatchError, match="float64"):
+            kv.push("t", torch.zeros(4, 3, dtype=torch.float64))
+
+
+def test_local_mode_matches_a_one_worker_job():
+    grads = [np.random.default_rng(s).standard_normal(40).astype(np.float32) for s in range(4)]
+
+    def run(kv):
+        kv.set_gradient_compression({"type": "2bit", "threshold": 0.25})
+        kv.set_optimizer("sgd", learning_rate=0.1, momentum=0.9)
+        kv.init("w", np.ones(40, np.float32))
+        out = np.empty(40, np.float32)
+        history = []
+        for g in grads:
+            kv.push("w", g)
+            kv.pull("w", out=out)
+            history.append(out.copy())
+        return history
+
+    with kvstore.create("local") as kv:
+        assert (kv.type, kv.rank, kv.num_workers) == ("local", 0, 1)
+        local = run(kv)
+    servers = kvtest.start_servers(1, 1)
+    try:
+        with connect([servers[0].address]) as kv:
+            dist = run(kv)
+    finally:
+        kvtest.stop_processes([s.process for s in servers])
+    for a, b in zip(local, dist, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_close_is_idempotent_and_final(one_server):
+    kv = connect([one_server])
+    kv.init(1, np.zeros(2, np.float32))
+    kv.close()
+    kv.close()
+    with pytest.raises(kvstore.UsageError, match="closed"):
+        kv.push(1, np.zeros(2, np.float32))
+    with kvstore.create("local") as local:
+        pass
+    with pytest.raises(kvstore.UsageError):
+        local.barrier()

@@ -1,0 +1,172 @@
+"""kvstore-launch: starts, forwards, propagates the first failure, and never hangs."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.deploy import LocalBackend, SSHBackend, Supervisor
+from kvstore.deploy.backends import read_hostfile
+
+pytestmark = pytest.mark.integration
+
+PY = sys.executable
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PY, "-m", "kvstore.deploy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead too
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_success_sets_the_environment_and_prefixes_output():
+    code = (
+        "import os, sys, kvstore\n"
+        "kv = kvstore.create('dist_sync')\n"
+        "print('hello', os.environ['KVSTORE_RANK'], os.environ['KVSTORE_NUM_WORKERS'],"
+        " len(os.environ['KVSTORE_SERVERS'].split(',')))\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "kv.barrier(); kv.close()\n"
+    )
+    result = launch("-n", "2", "-s", "2", "--", PY, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert "[worker 0] hello 0 2 2" in result.stdout
+    assert "[worker 1] hello 1 2 2" in result.stdout
+    assert "[worker 1] to stderr" in result.stderr
+    assert "KVSTORE_READY" not in result.stdout  # consumed by the launcher
+
+
+def test_first_failing_worker_exit_code_and_the_others_are_stopped(tmp_path):
+    pidfile = tmp_path / "pid"
+    code = (
+        "import os, sys, time\n"
+        "rank = int(os.environ['KVSTORE_RANK'])\n"
+        f"if rank == 0: open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)\n"
+        "time.sleep(1); sys.exit(3)\n"
+    )
+    start = time.monotonic()
+    result = launch("-n", "2", "-s", "1", "--", PY, "-c", code)
+    assert result.returncode == 3
+    assert "worker 1 exited with code 3; stopping the others" in result.stderr
+    assert time.monotonic() - start < 60
+    assert not _alive(int(pidfile.read_text()))
+
+
+def test_worker_killed_by_a_signal():
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    result = launch("-n", "1", "-s", "1", "--", PY, "-c", code)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "worker 0 was killed by SIGKILL" in result.stderr
+
+
+def test_a_server_that_dies_fails_the_launch_fast():
+    err = io.BytesIO()
+    supervisor = Supervisor(
+        LocalBackend(),
+        1,
+        2,
+        [PY, "-c", "import time; time.sleep(120)"],
+        out=io.BytesIO(),
+        err=err,
+    )
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(supervisor.run()))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            workers = [c for c in supervisor.children if c.role == "worker"]
+            if workers:
+                break
+            time.sleep(0.05)
+        server = next(c for c in supervisor.children if c.role == "server" and c.rank == 1)
+        os.kill(server.process.pid, signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive()
+    finally:
+        supervisor.stop_all()
+        thread.join(30)
+    assert result == [128 + signal.SIGKILL]
+    message = err.getvalue().decode()
+    assert "server 1 was killed by SIGKILL while workers were running" in message
+    assert all(c.process.poll() is not None for c in supervisor.children)
+
+
+def test_a_server_that_fails_to_start_is_named(tmp_path):
+    fake = tmp_path / "fake-python"
+    fake.write_text("#!/bin/sh\necho 'cannot start' >&2\nexit 5\n")
+    fake.chmod(0o755)
+
+    class BrokenServers(LocalBackend):
+        def server_python(self) -> str:
+            return str(fake)
+
+    err = io.BytesIO()
+    supervisor = Supervisor(BrokenServers(), 1, 1, [PY, "-c", "pass"], out=io.BytesIO(), err=err)
+    assert supervisor.run() == 5
+    text = err.getvalue().decode()
+    assert "[server 0] cannot start" in text
+    assert "server 0 exited with code 5 before it was ready" in text
+    assert not [c for c in supervisor.children if c.role == "worker"]
+
+
+def test_usage_errors():
+    result = launch("-n", "1")
+    assert result.returncode == 2 and "give the worker command" in result.stderr
+    result = launch("-n", "1", "--launcher", "ssh", "--", "true")
+    assert result.returncode == 2 and "needs -H" in result.stderr
+
+
+def test_hostfile_and_ssh_placement(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=8\nnode2:4\n\nnode3\n")
+    assert read_hostfile(hostfile) == ["node1", "node2", "node3"]
+    backend = SSHBackend(["h1", "h2", "h3", "h4", "h5"], num_servers=3)
+    assert [backend.server_host(i) for i in range(3)] == ["h1", "h2", "h3"]
+    command = backend.child("worker", 2, ["python", "train.py", "--name", "a b"], {"X": "1 2"})
+    assert command.argv[:3] == ["ssh", "-o", "BatchMode=yes"]
+    assert command.argv[3] == "h1"  # workers follow the servers, cycling
+    assert "X='1 2'" in command.argv[4] and "'a b'" in command.argv[4]
+
+
+def test_ssh_launcher_end_to_end_through_a_stand_in_ssh(tmp_path):
+    fake_ssh = tmp_path / "fake-ssh"
+    fake_ssh.write_text('#!/bin/bash\nshift\nexec bash -c "$1"\n')  # drop the host, run it here
+    fake_ssh.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\n127.0.0.1\n")
+    code = (
+        "import numpy as np, kvstore\n"
+        "kv = kvstore.create('dist_sync')\n"
+        "kv.init('w', np.zeros(4, np.float32)); kv.push('w', np.ones(4, np.float32))\n"
+        "out = np.empty(4, np.float32); kv.pull('w', out=out); print('sum', out[0]); kv.close()\n"
+    )
+    result = launch(
+        "-n", "2", "-s", "2", "--launcher", "ssh", "-H", str(hostfile),
+        "--ssh-command", str(fake_ssh), "--python", PY, "--", PY, "-c", code,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "[worker 0] sum 2.0" in result.stdout and "[worker 1] sum 2.0" in result.stdout
