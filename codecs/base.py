@@ -137,7 +137,7 @@ class Codec(ABC):
         return dict(self._params)
 
     def spec(self) -> dict[str, ParamValue]:
-        """``{"type": name, **params}``; two codecs are interchangeable iff their specs are equal."""
+        """``{"type": name, **params}``; codecs with equal specs are interchangeable."""
         return {"type": self.name, **self.params()}
 
     def __eq__(self, other: object) -> bool:

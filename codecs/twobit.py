@@ -155,9 +155,9 @@ def encode(
     g = grad.reshape(-1)
     r = residual.reshape(-1)
     if is_cupy_array(grad):
-        from kvstore.codecs import _twobit_cuda  # noqa: PLC0415
-
         import cupy  # noqa: PLC0415
+
+        from kvstore.codecs import _twobit_cuda  # noqa: PLC0415
 
         if out is None:
             out = cupy.empty(packed_words(g.size), dtype=cupy.uint32)
@@ -184,9 +184,9 @@ def decode(
     if words.size < packed_words(numel):
         raise CodecError(f"{words.size} words cannot hold {numel} 2-bit codes")
     if is_cupy_array(words):
-        from kvstore.codecs import _twobit_cuda  # noqa: PLC0415
-
         import cupy  # noqa: PLC0415
+
+        from kvstore.codecs import _twobit_cuda  # noqa: PLC0415
 
         if out is None:
             out = cupy.zeros(numel, dtype=cupy.float32)

@@ -115,5 +115,3 @@ def _create_local(options: WorkerOptions) -> KVStore:
     except BaseException:
         stop()
         raise
-
-

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
 
-LAUNCH_HINT = "start workers with `kvstore-launch -n N -s S -- python your_script.py`, which sets it"
+LAUNCH_HINT = (
+    "start workers with `kvstore-launch -n N -s S -- python your_script.py`, which sets it"
+)
 
 _ADDRESS_RE = re.compile(r"^(tcp://[^\s,:]+:\d{1,5}|inproc://[^\s,]+|ipc://[^\s,]+)$")
 

@@ -117,7 +117,9 @@ def plan_chunks(
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     if partition_elems < WORD_ELEMS or partition_elems % WORD_ELEMS:
-        raise ValueError(f"partition_elems must be a positive multiple of 16, got {partition_elems}")
+        raise ValueError(
+            f"partition_elems must be a positive multiple of 16, got {partition_elems}"
+        )
     if numel >= bigarray_bound and num_servers > 1:
         slices = [(s, lo, hi) for s, (lo, hi) in enumerate(split_bounds(numel, num_servers))]
     else:

@@ -26,9 +26,9 @@ msgpack, sent with ``copy=False`` and received without copies. Nothing is ever p
 :func:`decode` validates every inbound message before anyone acts on it: the version, the op, the
 field types (:data:`SCHEMA`), the dtype allowlist, shapes, and that the number and byte length of
 the payload frames equal what the header declares. Anything else raises
-:class:`~kvstore.errors.ProtocolError` naming what was wrong. Semantic checks that need state (is the
-key initialised, does the payload size fit the codec) are the server's, and also happen before
-any state changes.
+:class:`~kvstore.errors.ProtocolError` naming what was wrong. Semantic checks that need state (is
+the key initialised, does the payload size fit the codec) are the server's, and also happen
+before any state changes.
 
 Changing the bytes of any message (see the golden tests) requires bumping
 :data:`PROTOCOL_VERSION`.

@@ -79,8 +79,23 @@ def _nag(w, out, g, mom, lr, momentum, wd, rescale, clip, use_clip):
 
 
 @njit(nogil=True, cache=True)
-def _adam(w, out, g, mean, var, lr_t, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, wd, rescale,
-          clip, use_clip):
+def _adam(
+    w,
+    out,
+    g,
+    mean,
+    var,
+    lr_t,
+    beta1,
+    beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    eps,
+    wd,
+    rescale,
+    clip,
+    use_clip,
+):
     for i in range(w.shape[0]):
         gi = _clip(rescale * g[i] + wd * w[i], clip, use_clip)
         m = beta1 * mean[i] + one_minus_beta1 * gi

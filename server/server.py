@@ -146,7 +146,9 @@ class ShardServer:
                 self.address = f"tcp://{host}:{port}"
         except zmq.ZMQError as exc:
             sock.close(0)
-            raise OSError(f"server {cfg.server_rank} cannot bind {cfg.host}:{cfg.port}: {exc}")
+            raise OSError(
+                f"server {cfg.server_rank} cannot bind {cfg.host}:{cfg.port}: {exc}"
+            ) from exc
         self._socket = sock
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         logger.info(
@@ -251,7 +253,9 @@ class ShardServer:
             msg = wire.decode(frames)
         except ProtocolError as exc:
             logger.warning("bad message from %s: %s", _peer(identity), exc)
-            self._send_error(identity, wire.peek_request_id(frames), ErrorCode.BAD_MESSAGE, str(exc))
+            self._send_error(
+                identity, wire.peek_request_id(frames), ErrorCode.BAD_MESSAGE, str(exc)
+            )
             return
         try:
             if msg.op is Op.HELLO:
@@ -278,9 +282,7 @@ class ShardServer:
             self._send_error(identity, msg.rid, code, str(exc))
         except Exception as exc:
             logger.exception("internal error on %s from %s", msg.op.name, _peer(identity))
-            self._send_error(
-                identity, msg.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-            )
+            self._send_error(identity, msg.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     # sessions ---------------------------------------------------------------------------------
 
@@ -331,7 +333,7 @@ class ShardServer:
         job.mode = mode
         job.sessions[identity] = rank
         job.ranks[rank] = identity
-        logger.info("worker rank %d connected (%s, %s)", rank, _peer(identity), mode)
+        logger.debug("worker rank %d connected (%s, %s)", rank, _peer(identity), mode)
         self._send(identity, wire.reply(msg.rid, {"sr": cfg.server_rank}))
 
     def _on_bye(self, identity: bytes, rank: int, msg: Message) -> None:
@@ -339,9 +341,9 @@ class ShardServer:
         job.sessions.pop(identity, None)
         job.ranks.pop(rank, None)
         self._send(identity, wire.reply(msg.rid))
-        logger.info("worker rank %d left", rank)
+        logger.debug("worker rank %d left", rank)
         if not job.sessions:
-            logger.info("all workers left; the server is ready for a new job")
+            logger.debug("all workers left; the server is ready for a new job")
             self._job = _Job()
 
     # init --------------------------------------------------------------------------------------

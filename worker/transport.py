@@ -259,13 +259,15 @@ class Transport:
                         return
                 events = dict(poller.poll(1000))
                 if self._wake_r in events:
-                    with self._lock:
-                        self._wake_pending = False
+                    # Drain first, then clear the flag: clearing first could swallow the byte of
+                    # a submit made in between and leave the flag set with an empty pipe.
                     try:
                         while os.read(self._wake_r, 4096):
                             pass
                     except BlockingIOError:
                         pass
+                    with self._lock:
+                        self._wake_pending = False
                 for sock in self._sockets:
                     if sock in events:
                         self._receive_all(sock)

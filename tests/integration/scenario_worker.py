@@ -20,7 +20,13 @@ LR = 0.125
 
 # key -> shape. One big key of 1.5M elements (split over the servers), one whose length is not a
 # multiple of 16, int and str keys.
-DENSE_KEYS = {3: (2, 5), "w": (1000,), "odd": (100_003,), "big": (1_500_000,), "big_odd": (1_000_007,)}
+DENSE_KEYS = {
+    3: (2, 5),
+    "w": (1000,),
+    "odd": (100_003,),
+    "big": (1_500_000,),
+    "big_odd": (1_000_007,),
+}
 TWOBIT_KEYS = {"w": (1000,), "odd": (10_007,), "big": (1_500_000,), 11: (33,)}
 MIXED_KEY = ("mixed", (5_003,))
 SGD_KEYS = {"w": (1000,), 5: (33,), "big": (1_500_000,)}

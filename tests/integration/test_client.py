@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import time
 
+import kvtest
 import numpy as np
 import pytest
-import kvtest
 from kvtest import run_ranks
 
 import kvstore

@@ -174,7 +174,9 @@ def test_create_arguments(monkeypatch):
 
 
 def test_no_server_at_the_address_fails_instead_of_hanging():
-    with pytest.raises(kvstore.ConnectionLostError, match=r"did not answer within 1 s.*kvstore-launch"):
+    with pytest.raises(
+        kvstore.ConnectionLostError, match=r"did not answer within 1 s.*kvstore-launch"
+    ):
         kvstore.create(
             "dist_sync", servers=["tcp://127.0.0.1:1"], rank=0, num_workers=1, connect_timeout=1
         )

@@ -93,9 +93,7 @@ def test_state_checks_before_any_change(client, one_server):
     assert_error(client.request("INIT", {**INIT, "n": 9}, [b"\0" * 36]), "bad_value", "do not fit")
     assert client.request("INIT", INIT, [np.arange(4, dtype=np.float32)]).op is Op.REPLY
     assert_error(client.request("INIT", INIT, [b"\0" * 16]), "duplicate_init")
-    assert_error(
-        client.request("PUSH", {"k": "w", "c": 0, "n": 4}, [b"\0" * 15]), "codec", "bytes"
-    )
+    assert_error(client.request("PUSH", {"k": "w", "c": 0, "n": 4}, [b"\0" * 15]), "codec", "bytes")
     assert_error(client.request("PUSH", {"k": "w", "c": 0, "n": 3}, [b"\0" * 12]), "bad_value")
     assert_error(client.request("SET_OPTIMIZER", {"opt": "sgd", "hp": {"lr": -1}}), "optimizer")
     reply = client.request("PULL", {"k": "w", "c": 0})

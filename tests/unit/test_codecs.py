@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.codecs import Codec, accumulator_dtype, codec_from_spec, get_codec, register_codec
-from kvstore.codecs import registered_codecs
+from kvstore.codecs import (
+    Codec,
+    accumulator_dtype,
+    codec_from_spec,
+    get_codec,
+    register_codec,
+    registered_codecs,
+)
 from kvstore.errors import CodecError
 
 

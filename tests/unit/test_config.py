@@ -58,7 +58,11 @@ def test_malformed_variables(name, value, match):
 def test_worker_options_defaults_env_and_overrides():
     assert WorkerOptions.from_env({}) == WorkerOptions()
     opts = WorkerOptions.from_env(
-        {"KVSTORE_BIGARRAY_BOUND": "64", "KVSTORE_TIMEOUT": "2.5", "KVSTORE_PARTITION_BYTES": "4096"}
+        {
+            "KVSTORE_BIGARRAY_BOUND": "64",
+            "KVSTORE_TIMEOUT": "2.5",
+            "KVSTORE_PARTITION_BYTES": "4096",
+        }
     )
     assert (opts.bigarray_bound, opts.timeout, opts.partition_bytes) == (64, 2.5, 4096)
     assert WorkerOptions.from_env({"KVSTORE_TIMEOUT": "0"}).timeout is None

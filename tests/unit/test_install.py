@@ -15,7 +15,11 @@ def test_installed_from_this_checkout():
     import kvstore.codecs
     import kvstore.server
 
-    for module, folder in [(kvstore, "kvstore"), (kvstore.codecs, "codecs"), (kvstore.server, "server")]:
+    for module, folder in [
+        (kvstore, "kvstore"),
+        (kvstore.codecs, "codecs"),
+        (kvstore.server, "server"),
+    ]:
         where = Path(module.__file__).resolve().parent
         assert where == kvtest.REPO / folder, (
             f"{module.__name__} comes from {where}, not this checkout: {kvtest.INSTALL_HINT}"

@@ -78,7 +78,10 @@ def test_split_bounds_are_contiguous_balanced_and_16_aligned(numel, servers):
 
 def test_key_of_1_5m_elements_over_two_servers():
     chunks = plan_chunks("big", 1_500_000, 2, bigarray_bound=MB, partition_elems=2**30)
-    assert [(c.server, c.start, c.stop) for c in chunks] == [(0, 0, 750_000), (1, 750_000, 1_500_000)]
+    assert [(c.server, c.start, c.stop) for c in chunks] == [
+        (0, 0, 750_000),
+        (1, 750_000, 1_500_000),
+    ]
 
 
 def test_keys_below_the_bound_stay_whole():

@@ -46,9 +46,7 @@ def _inputs(rng: np.random.Generator, n: int, threshold: float, kind: str) -> np
 
 def test_worked_example_from_the_design():
     g = np.array([0.6, -0.7, 0.1, 0.5, -0.5] + [0.0] * 10 + [1.0, 0.9], dtype=np.float32)
-    expected_residual = np.array(
-        [0.1, -0.2, 0.1, 0, 0] + [0] * 10 + [0.5, 0.4], dtype=np.float32
-    )
+    expected_residual = np.array([0.1, -0.2, 0.1, 0, 0] + [0] * 10 + [0.5, 0.4], dtype=np.float32)
     oracle_residual = np.zeros(17, np.float32)
     oracle_bytes, codes = oracle_encode(g, oracle_residual, 0.5)
     assert oracle_bytes.hex() == "e3800003c0000000"
@@ -130,7 +128,9 @@ def test_decode_matches_oracle(n):
     _, codes = oracle_encode(g, np.zeros(n, np.float32), 0.5)
     words = twobit.encode(g, np.zeros(n, np.float32), 0.5)
     for kernels in KERNELS:
-        assert np.array_equal(twobit.decode(words, n, 0.5, kernels=kernels), oracle_decode(codes, 0.5))
+        assert np.array_equal(
+            twobit.decode(words, n, 0.5, kernels=kernels), oracle_decode(codes, 0.5)
+        )
 
 
 def test_codec_objects_agree_with_functions():
@@ -153,7 +153,9 @@ def test_codec_objects_agree_with_functions():
         assert np.array_equal(encoder.residual, residual), step
 
 
-@pytest.mark.parametrize("bad", [0, 0.0, -0.5, float("nan"), float("inf"), 1e-50, "0.5", None, True])
+@pytest.mark.parametrize(
+    "bad", [0, 0.0, -0.5, float("nan"), float("inf"), 1e-50, "0.5", None, True]
+)
 def test_bad_thresholds_are_rejected(bad):
     with pytest.raises(CodecError, match="threshold"):
         get_codec("2bit", threshold=bad)
