@@ -19,7 +19,10 @@ reject a malformed payload before it touches state; codecs with data-dependent s
 ``None`` and validate in :meth:`Aggregator.add`.
 
 The dense result of a round is ``Aggregator.result`` (in the accumulator dtype: fp32 for fp16/fp32
-values), which the server stores or hands to the optimizer.
+values), which the server stores or hands to the optimizer. Codecs that need more than one round
+trip per step (PowerSGD sums the workers' P factors, returns the sum, then sums their Q factors)
+return the intermediate aggregate from :meth:`Aggregator.finish`: the server then sends those
+frames back to the round's pushers instead of updating the key.
 """
 
 from __future__ import annotations
@@ -108,6 +111,17 @@ class Aggregator(ABC):
         adding (no separate zeroing pass). Calls on one aggregator are serialized by the server;
         calls on different aggregators may run on different threads at once.
         """
+
+    def finish(self) -> list[Any] | None:
+        """End a round (all workers' contributions are in); runs on an executor thread.
+
+        Returns None when :attr:`result` holds the round's dense aggregate, which the server
+        then stores or hands to the optimizer (single-round codecs: the default). A codec with
+        several round trips per step returns the payload frames of an intermediate round
+        instead; the server sends them back to every pusher of the round and leaves the key's
+        value unchanged.
+        """
+        return None
 
 
 class Codec(ABC):

@@ -497,15 +497,25 @@ class ShardServer:
         replies, error = chunk.round_replies, chunk.round_error
         chunk.round_ranks, chunk.round_replies = set(), []
         chunk.round_error, chunk.accumulated = None, 0
+        intermediate = None
         if error is None:
             try:
-                await self._apply(chunk, chunk.aggregator.result)
+                intermediate = await self._run(chunk.aggregator.finish)
+                if intermediate is None:
+                    await self._apply(chunk, chunk.aggregator.result)
+                else:  # copied: the aggregator reuses its buffers in the next round
+                    intermediate = [
+                        bytes(memoryview(getattr(f, "buffer", f))) for f in intermediate
+                    ]
             except Exception as exc:
                 error = exc
         for reply in replies:
             chunk.pending[reply.rank] -= 1
         for reply in replies:
-            self._finish_push(chunk, reply, error)
+            if error is None and intermediate is not None:
+                self._send(reply.identity, wire.reply(reply.rid, None, intermediate))
+            else:
+                self._finish_push(chunk, reply, error)
         self._release_pulls(chunk)
         deferred, chunk.deferred = chunk.deferred, type(chunk.deferred)()
         for push in deferred:
@@ -516,6 +526,12 @@ class ShardServer:
         async with chunk.lock:
             try:
                 await self._run(chunk.aggregator.add, payloads, True)
+                if await self._run(chunk.aggregator.finish) is not None:
+                    raise RequestError(
+                        ErrorCode.CODEC,
+                        f"codec {chunk.codec.name!r} needs several round trips per step, "
+                        f"which only dist_sync provides",
+                    )
                 await self._apply(chunk, chunk.aggregator.result)
             except Exception as exc:
                 error = exc

@@ -17,7 +17,6 @@ dead server never leaves a worker hanging.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import os
@@ -38,6 +37,7 @@ from kvstore.errors import (
     error_from_code,
 )
 from kvstore.wire import Message, Op
+from kvstore.worker.send_queue import SendQueue
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +128,7 @@ class Transport:
         self._context = context if context is not None else zmq.Context()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        # heap of (-priority, seq, server, frames, request, order_key)
-        self._queue: list[tuple[int, int, int, list[Any], Request, Any]] = []
-        self._seq = itertools.count()
-        self._queued_by_key: dict[Any, list[int]] = {}  # order_key -> [count, min priority]
+        self._queue = SendQueue()  # of (server, frames, request)
         self._pending: dict[int, Request] = {}
         self._lost: dict[int, str] = {}
         self._connected: set[int] = set()
@@ -195,19 +192,7 @@ class Transport:
             lost = self._lost.get(server)
             if lost is None:
                 self._pending[rid] = request
-                effective = priority
-                if order_key is not None:
-                    entry = self._queued_by_key.get(order_key)
-                    if entry is None:
-                        self._queued_by_key[order_key] = [1, priority]
-                    else:
-                        # Never be sent before an earlier request of the same key.
-                        effective = min(priority, entry[1])
-                        entry[0] += 1
-                        entry[1] = effective
-                heapq.heappush(
-                    self._queue, (-effective, next(self._seq), server, frames, request, order_key)
-                )
+                self._queue.push((server, frames, request), priority, order_key)
                 self._wake()
         if lost is not None:
             request._complete(None, ConnectionLostError(f"{request.what}: {lost}"))
@@ -283,12 +268,7 @@ class Transport:
             with self._lock:
                 if not self._queue:
                     return
-                _, _, server, frames, request, order_key = heapq.heappop(self._queue)
-                if order_key is not None:
-                    entry = self._queued_by_key[order_key]
-                    entry[0] -= 1
-                    if entry[0] == 0:
-                        del self._queued_by_key[order_key]
+                server, frames, request = self._queue.pop()
                 lost = self._lost.get(server)
             if lost is not None:
                 self._fail(request, ConnectionLostError(f"{request.what}: {lost}"))
