@@ -1,11 +1,22 @@
 """Compiled CPU kernels of the 2-bit codec (numba, GIL released, cached on disk).
 
 Same contract, bytes and residuals as the numpy reference in :mod:`kvstore.codecs.twobit`.
-Each output word is assembled in a register from 16 elements and stored once, and the residual
-update is a select rather than a branch, so LLVM keeps the loop tight. Words are written as
-little-endian uint32, whose memory bytes are exactly the byte layout of the format (byte ``q`` of
-word ``w`` holds elements ``16w+4q .. 16w+4q+3``, first element in the high bit pair); the module
-that imports these kernels checks the machine is little-endian.
+
+Both kernels work in blocks of :data:`BLOCK` elements (a multiple of 16, so blocks start on word
+boundaries) through a small scratch array that stays in L1 cache, so that every loop is a plain
+elementwise loop LLVM can vectorize, and memory is streamed once:
+
+* encode: pass 1 updates the residual and writes one code per element as a byte (0, 2 or 3);
+  pass 2 reads the codes four at a time as a little-endian uint32 ``v = c0 | c1<<8 | c2<<16 |
+  c3<<24`` and packs them with one multiply: the top byte of ``v * 0x40100401`` is
+  ``c0<<6 | c1<<4 | c2<<2 | c3`` (the partial products below bit 24 add up to less than 2**23,
+  so nothing carries into it);
+* decode: pass 1 spreads each packed byte ``b`` back into four code bytes with shifts and masks;
+  pass 2 turns codes into ``+t``, ``-t`` or ``+0.0`` with selects and adds (or writes) them.
+
+The last partial block goes through a per-word loop. On the development machine both run at
+their memory-bandwidth floor (see ``benchmarks/bench_codecs.py``). The kernels view uint32 words
+as bytes, so they need a little-endian machine; :func:`kvstore.codecs.twobit.cpu_kernels` checks.
 """
 
 from __future__ import annotations
@@ -13,11 +24,34 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+BLOCK = 2048
+"""Elements per block: 2 KiB of codes, 8 KiB of floats per stream: well inside L1."""
+
+_PACK = np.uint32(0x40100401)
+
 
 @njit(nogil=True, cache=True, inline="always")
 def _shift(k):
-    # Bit position of element k (0..15) of a word: byte k//4, pair 3 - k%4 within it.
-    return 8 * (k >> 2) + 6 - 2 * (k & 3)
+    # Bit position of element k (0..15) of a little-endian word: byte k//4, pair 3 - k%4 in it.
+    return np.uint32(8 * (k >> 2) + 6 - 2 * (k & 3))
+
+
+@njit(nogil=True, cache=True)
+def _encode_tail(grad, residual, t, out, start):
+    """Per-word encode of elements ``[start, n)``; ``start`` is a multiple of 16."""
+    n = grad.shape[0]
+    nt = -t
+    for w in range(start // 16, (n + 15) // 16):
+        base = 16 * w
+        acc = np.uint32(0)
+        for k in range(min(16, n - base)):
+            x = residual[base + k] + grad[base + k]
+            pos = x >= t
+            neg = x <= nt
+            residual[base + k] = (x - t) if pos else ((x + t) if neg else x)
+            code = np.uint32(3) if pos else (np.uint32(2) if neg else np.uint32(0))
+            acc |= code << _shift(k)
+        out[w] = acc
 
 
 @njit(nogil=True, cache=True)
@@ -33,35 +67,44 @@ def encode(grad, residual, threshold, out):
     n = grad.shape[0]
     t = threshold
     nt = -t
-    full = n // 16
-    for w in range(full):
+    codes = np.empty(BLOCK, dtype=np.uint8)
+    quads = codes.view(np.uint32)
+    packed = out.view(np.uint8)
+    full = n - n % BLOCK
+    for start in range(0, full, BLOCK):
+        for k in range(BLOCK):
+            i = start + k
+            x = residual[i] + grad[i]
+            pos = x >= t
+            neg = x <= nt
+            residual[i] = (x - t) if pos else ((x + t) if neg else x)
+            codes[k] = (np.uint8(3) if pos else np.uint8(0)) | (np.uint8(2) if neg else np.uint8(0))
+        first_byte = start // 4
+        for j in range(BLOCK // 4):
+            packed[first_byte + j] = np.uint8((quads[j] * _PACK) >> np.uint32(24))
+    _encode_tail(grad, residual, t, out, full)
+
+
+@njit(nogil=True, cache=True)
+def _decode_tail(words, n, t, out, accumulate, start):
+    """Per-word decode of elements ``[start, n)``; ``start`` is a multiple of 16."""
+    nt = -t
+    zero = np.float32(0)
+    for w in range(start // 16, (n + 15) // 16):
+        word = words[w]
         base = 16 * w
-        acc = np.uint32(0)
-        for k in range(16):
-            x = residual[base + k] + grad[base + k]
-            pos = x >= t
-            neg = x <= nt
-            residual[base + k] = (x - t) if pos else ((x + t) if neg else x)
-            code = np.uint32(3) if pos else (np.uint32(2) if neg else np.uint32(0))
-            acc |= code << np.uint32(_shift(k))
-        out[w] = acc
-    rest = n - 16 * full
-    if rest > 0:
-        base = 16 * full
-        acc = np.uint32(0)
-        for k in range(rest):
-            x = residual[base + k] + grad[base + k]
-            pos = x >= t
-            neg = x <= nt
-            residual[base + k] = (x - t) if pos else ((x + t) if neg else x)
-            code = np.uint32(3) if pos else (np.uint32(2) if neg else np.uint32(0))
-            acc |= code << np.uint32(_shift(k))
-        out[full] = acc
+        for k in range(min(16, n - base)):
+            code = (word >> _shift(k)) & np.uint32(3)
+            value = t if code == 3 else (nt if code == 2 else zero)
+            if accumulate:
+                out[base + k] += value
+            else:
+                out[base + k] = value
 
 
 @njit(nogil=True, cache=True)
 def decode(words, n, threshold, out, accumulate):
-    """Dequantize ``n`` codes: ``11`` -> +t, ``10`` -> -t, else 0; write or add into ``out``.
+    """Dequantize ``n`` codes: ``11`` -> +t, ``10`` -> -t, else +0.0; write or add into ``out``.
 
     Args:
         words: uint32[ceil(n/16)].
@@ -70,29 +113,29 @@ def decode(words, n, threshold, out, accumulate):
         out: float32[n].
         accumulate: add into ``out`` when True, overwrite it when False.
     """
-    lut = np.zeros(4, dtype=np.float32)
-    lut[2] = -threshold
-    lut[3] = threshold
-    full = n // 16
-    if accumulate:
-        for w in range(full):
-            word = words[w]
-            base = 16 * w
-            for k in range(16):
-                out[base + k] += lut[(word >> np.uint32(_shift(k))) & np.uint32(3)]
-    else:
-        for w in range(full):
-            word = words[w]
-            base = 16 * w
-            for k in range(16):
-                out[base + k] = lut[(word >> np.uint32(_shift(k))) & np.uint32(3)]
-    rest = n - 16 * full
-    if rest > 0:
-        word = words[full]
-        base = 16 * full
-        for k in range(rest):
-            value = lut[(word >> np.uint32(_shift(k))) & np.uint32(3)]
-            if accumulate:
-                out[base + k] += value
-            else:
-                out[base + k] = value
+    t = threshold
+    nt = -t
+    zero = np.float32(0)
+    packed = words.view(np.uint8)
+    codes = np.empty(BLOCK, dtype=np.uint8)
+    quads = codes.view(np.uint32)
+    full = n - n % BLOCK
+    for start in range(0, full, BLOCK):
+        first_byte = start // 4
+        for j in range(BLOCK // 4):
+            b = np.uint32(packed[first_byte + j])
+            quads[j] = (
+                (b >> np.uint32(6))
+                | ((b << np.uint32(4)) & np.uint32(0x300))
+                | ((b << np.uint32(14)) & np.uint32(0x30000))
+                | ((b << np.uint32(24)) & np.uint32(0x3000000))
+            )
+        if accumulate:
+            for k in range(BLOCK):
+                code = codes[k]
+                out[start + k] += t if code == 3 else (nt if code == 2 else zero)
+        else:
+            for k in range(BLOCK):
+                code = codes[k]
+                out[start + k] = t if code == 3 else (nt if code == 2 else zero)
+    _decode_tail(words, n, t, out, accumulate, full)

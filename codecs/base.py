@@ -96,6 +96,9 @@ class Aggregator(ABC):
         numel: elements of the chunk.
         dtype: the value dtype name.
         result: the dense accumulator (``accumulator_dtype(dtype)``), valid after ``add``.
+            Between rounds the server may replace it with another array of the same length
+            and dtype (it publishes the old one as the key's value instead of copying it), so
+            ``add(first=True)`` must overwrite every element and nothing may cache the array.
     """
 
     def __init__(self, numel: int, dtype: str) -> None:

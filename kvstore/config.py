@@ -104,6 +104,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "vectorised numpy reference (same bytes, slower).",
     ),
     EnvVar(
+        "KVSTORE_MALLOC_TUNING",
+        "0 or 1",
+        "1",
+        "worker, server",
+        "Let glibc keep large freed buffers (mallopt) so ZeroMQ's per-message receive buffers "
+        "are reused instead of page-faulted back every message; 0 turns it off.",
+    ),
+    EnvVar(
         "KVSTORE_LOG_LEVEL",
         "DEBUG, INFO, WARNING, ERROR",
         "WARNING (servers: INFO)",
@@ -322,6 +330,20 @@ def server_threads_from_env(env: Mapping[str, str] | None = None) -> int:
     if raw is None:
         return default_server_threads()
     return parse_int("KVSTORE_SERVER_THREADS", raw, minimum=1)
+
+
+def malloc_tuning_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """``KVSTORE_MALLOC_TUNING``: True (default) unless set to 0/false/no/off."""
+    env = os.environ if env is None else env
+    raw = _get(env, "KVSTORE_MALLOC_TUNING")
+    if raw is None:
+        return True
+    value = raw.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"KVSTORE_MALLOC_TUNING={raw!r} must be 0 or 1")
 
 
 def cpu_kernels_from_env(env: Mapping[str, str] | None = None) -> str:

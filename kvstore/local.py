@@ -14,7 +14,6 @@ import os
 import threading
 
 import zmq
-import zmq.asyncio
 
 from kvstore.config import ServerConfig
 
@@ -29,7 +28,7 @@ class LocalServerThread:
 
         self.address = f"inproc://kvstore-local-{os.getpid()}-{next(_counter)}"
         config = ServerConfig(num_workers=1, bind=self.address, threads=threads or 2)
-        self._server = ShardServer(config, context=zmq.asyncio.Context.shadow(context))
+        self._server = ShardServer(config, context=context)
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._error: BaseException | None = None

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from kvstore import _logging
+from kvstore._malloc import tune_malloc
 from kvstore.config import ServerConfig, server_threads_from_env
 from kvstore.errors import ConfigError
 from kvstore.server.server import ShardServer
@@ -73,6 +74,7 @@ async def serve(config: ServerConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     _logging.configure(f"server {config.server_rank}", default_level="INFO")
+    tune_malloc()
     try:
         import uvloop  # noqa: PLC0415
 

@@ -2,13 +2,19 @@
 
 Request handling (all on the loop thread, never blocking it):
 
+* the ROUTER socket is a plain ZeroMQ socket whose file descriptor the event loop watches
+  (``add_reader``); each wake-up drains a batch of messages without blocking, and replies are
+  sent directly, without per-message futures (ZeroMQ's descriptor is edge-triggered, so the
+  loop looks for input again after every send);
 * every inbound message is decoded and validated by :func:`kvstore.wire.decode`, then checked
   against the server's state (session, key, chunk spec, payload sizes) *before* anything changes;
   a bad message gets an ``ERROR`` reply with a stable code, is logged, and everyone else is served
   as before;
-* decoding, aggregation and optimizer updates run on a thread pool (the compiled kernels release
-  the GIL); per chunk they are serialized by an ``asyncio.Lock`` that hands out turns in arrival
-  order, and different chunks proceed in parallel.
+* decoding, aggregation and optimizer updates of big chunks run on a thread pool (the compiled
+  kernels release the GIL); chunks of at most :data:`INLINE_ELEMS` elements are processed on the
+  loop thread, where that is cheaper than a thread hand-off. Per chunk the work is serialized by
+  an ``asyncio.Lock`` that hands out turns in arrival order; different chunks proceed in
+  parallel.
 
 ``dist_sync`` (and ``local``, which is sync with one worker): a chunk's round collects one push
 from each of the N workers, decoding each into the round's aggregate as it arrives. When the Nth
@@ -19,7 +25,9 @@ and acknowledged.
 
 Pulls are answered with the chunk's published value, but only after every push the same worker
 sent earlier for that chunk has been applied (ZeroMQ keeps one connection's messages in order), so
-``push`` then ``pull`` reads the worker's own update without an extra round trip.
+``push`` then ``pull`` reads the worker's own update without an extra round trip. Such a value
+reply also acknowledges those pushes: when a worker's pull is answered in the round that applied
+its push, the push gets no separate ack (errors always get their own reply, sent first).
 
 ``init`` is collective: each worker declares the chunk's spec (rank 0 also sends the value), the
 specs must match rank 0's, and every worker's init is answered once rank 0's value is stored, so
@@ -43,7 +51,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from kvstore import wire
 from kvstore.codecs import codec_from_spec
@@ -56,6 +63,12 @@ from kvstore.server.optimizers import Optimizer, make_optimizer
 from kvstore.wire import Message, Op
 
 logger = logging.getLogger(__name__)
+
+INLINE_ELEMS = 65_536
+"""Chunks up to this many elements are decoded and updated on the loop thread (~20 us of work)."""
+
+DRAIN_BATCH = 256
+"""Messages handled per wake-up before other callbacks get a turn."""
 
 
 class RequestError(Exception):
@@ -99,12 +112,14 @@ class ShardServer:
             needs the worker's context); by default the server makes and closes its own.
     """
 
-    def __init__(self, config: ServerConfig, *, context: zmq.asyncio.Context | None = None):
+    def __init__(self, config: ServerConfig, *, context: zmq.Context | None = None):
         self.config = config
         self._own_context = context is None
-        self._context = context if context is not None else zmq.asyncio.Context()
-        self._socket: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task[None] | None = None
+        self._context = context if context is not None else zmq.Context()
+        self._socket: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None
+        self._drain_scheduled = False
         self._pool = ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix=f"kvstore-server{config.server_rank}"
         )
@@ -150,7 +165,10 @@ class ShardServer:
                 f"server {cfg.server_rank} cannot bind {cfg.host}:{cfg.port}: {exc}"
             ) from exc
         self._socket = sock
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._drain)
+        self._schedule_drain()  # messages may have arrived before the reader was added
         logger.info(
             "server %d/%d serving %d worker(s) on %s with %d thread(s)",
             cfg.server_rank,
@@ -163,13 +181,9 @@ class ShardServer:
 
     async def stop(self) -> None:
         """Stop serving, close the socket and the thread pool."""
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._reader = None
+        if self._fd is not None and self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = None
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -190,10 +204,24 @@ class ShardServer:
 
     # I/O -------------------------------------------------------------------------------------
 
-    async def _read_loop(self) -> None:
-        assert self._socket is not None
-        while True:
-            frames = await self._socket.recv_multipart(copy=False)
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and self._loop is not None:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """Handle the messages waiting on the socket (a batch; the rest on the next turn)."""
+        self._drain_scheduled = False
+        sock = self._socket
+        if sock is None:
+            return
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return  # closed under us during shutdown
             if len(frames) < 2:
                 continue  # a routing id alone: nothing to answer
             identity = frames[0].bytes
@@ -201,18 +229,23 @@ class ShardServer:
                 self._handle(identity, frames[1:])
             except Exception:  # the loop must survive anything a client sends
                 logger.exception("unexpected error handling a message from %s", _peer(identity))
+        self._schedule_drain()
 
     def _send(self, identity: bytes, frames: list[Any], track: bool = False) -> Any:
-        if self._socket is None:
+        """Send a reply now; returns a MessageTracker when ``track`` (None if not sent)."""
+        sock = self._socket
+        if sock is None:
             return None
-        future = self._socket.send_multipart([identity, *frames], copy=False, track=track)
-        future.add_done_callback(self._check_send)
-        return future
-
-    @staticmethod
-    def _check_send(future: asyncio.Future[Any]) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            logger.debug("reply not delivered: %s", future.exception())
+        try:
+            tracker = sock.send_multipart(
+                [identity, *frames], flags=zmq.NOBLOCK, copy=False, track=track
+            )
+        except zmq.ZMQError as exc:  # the worker is gone (ROUTER_MANDATORY) or we are closing
+            logger.debug("reply to %s not delivered: %s", _peer(identity), exc)
+            tracker = None
+        # A send can consume the socket's edge-triggered readiness: look for input again.
+        self._schedule_drain()
+        return tracker
 
     def _send_ack(self, reply: PendingReply, fields: dict[str, Any] | None = None) -> None:
         self._send(reply.identity, wire.reply(reply.rid, fields))
@@ -243,7 +276,10 @@ class ShardServer:
         if not task.cancelled() and task.exception() is not None:
             logger.error("server task failed", exc_info=task.exception())
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _run(self, chunk: ChunkState, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run chunk work: inline for small chunks, on the thread pool for big ones."""
+        if chunk.spec.numel <= INLINE_ELEMS:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # dispatch --------------------------------------------------------------------------------
@@ -485,7 +521,7 @@ class ShardServer:
         async with chunk.lock:  # turns are granted in arrival order
             first = chunk.accumulated == 0
             try:
-                await self._run(chunk.aggregator.add, payloads, first)
+                await self._run(chunk, chunk.aggregator.add, payloads, first)
             except Exception as exc:
                 logger.exception("decoding a push of %s failed", chunk.spec.name)
                 chunk.round_error = chunk.round_error or exc
@@ -500,7 +536,7 @@ class ShardServer:
         intermediate = None
         if error is None:
             try:
-                intermediate = await self._run(chunk.aggregator.finish)
+                intermediate = await self._run(chunk, chunk.aggregator.finish)
                 if intermediate is None:
                     await self._apply(chunk, chunk.aggregator.result)
                 else:  # copied: the aggregator reuses its buffers in the next round
@@ -511,9 +547,12 @@ class ShardServer:
                 error = exc
         for reply in replies:
             chunk.pending[reply.rank] -= 1
+        released = self._pulls_released_now(chunk)
         for reply in replies:
             if error is None and intermediate is not None:
                 self._send(reply.identity, wire.reply(reply.rid, None, intermediate))
+            elif error is None and not reply.want_value and reply.rank in released:
+                pass  # the pull reply about to go out acknowledges this push
             else:
                 self._finish_push(chunk, reply, error)
         self._release_pulls(chunk)
@@ -525,8 +564,8 @@ class ShardServer:
         error: BaseException | None = None
         async with chunk.lock:
             try:
-                await self._run(chunk.aggregator.add, payloads, True)
-                if await self._run(chunk.aggregator.finish) is not None:
+                await self._run(chunk, chunk.aggregator.add, payloads, True)
+                if await self._run(chunk, chunk.aggregator.finish) is not None:
                     raise RequestError(
                         ErrorCode.CODEC,
                         f"codec {chunk.codec.name!r} needs several round trips per step, "
@@ -536,7 +575,12 @@ class ShardServer:
             except Exception as exc:
                 error = exc
             chunk.pending[reply.rank] -= 1
-            self._finish_push(chunk, reply, error)
+            if (
+                error is not None
+                or reply.want_value
+                or reply.rank not in self._pulls_released_now(chunk)
+            ):
+                self._finish_push(chunk, reply, error)
             self._release_pulls(chunk)
 
     async def _apply(self, chunk: ChunkState, grad: Any) -> None:
@@ -548,8 +592,16 @@ class ShardServer:
                 f"{chunk.spec.name} is {chunk.spec.dtype}: the optimizer updates float keys only",
             )
         out = chunk.value.spare()
+        aggregator = chunk.aggregator
+        if optimizer is None and chunk.master is None and grad is aggregator.result:
+            # The round's sum is the new value: publish the aggregator's array itself and let
+            # the next round accumulate into the spare, instead of copying.
+            aggregator.result = out
+            chunk.value.publish(grad)
+            chunk.updates += 1
+            return
         try:
-            await self._run(chunk.apply_update, grad, optimizer, out)
+            await self._run(chunk, chunk.apply_update, grad, optimizer, out)
         except BaseException:
             chunk.value.give_back(out)
             raise
@@ -575,6 +627,17 @@ class ShardServer:
             chunk.pull_waiters.append(reply)
         else:
             self._send_value(reply, chunk)
+
+    @staticmethod
+    def _pulls_released_now(chunk: ChunkState) -> set[int]:
+        """Ranks with a pull of this chunk that :meth:`_release_pulls` will answer now.
+
+        A value reply acknowledges the same worker's earlier pushes of the chunk (the server
+        only sends it once they are applied), so their separate acks are left out: one message
+        less per chunk and step. Errors are never left out; they go first, on the same
+        connection, so the worker sees a failed push before the pull's reply.
+        """
+        return {r.rank for r in chunk.pull_waiters if chunk.pending[r.rank] == 0}
 
     def _release_pulls(self, chunk: ChunkState) -> None:
         if not chunk.pull_waiters:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore._malloc import tune_malloc
 from kvstore.codecs import Codec, Encoder, codec_from_spec
 from kvstore.codecs.base import frame_array
 from kvstore.codecs.identity import IdentityCodec
@@ -179,6 +180,7 @@ class KVStore:
         self._api_lock = threading.RLock()
         self._closed = False
         self._on_close = on_close
+        tune_malloc()  # ZeroMQ's receive buffers get reused instead of page-faulted back
         identity = f"w{cluster.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         self._transport = Transport(cluster.servers, identity, context)
         try:
@@ -506,6 +508,7 @@ class KVStore:
                     priority=priority,
                     order_key=(state.key, chunk.index),
                     what=f"pull of key {state.key!r} chunk {chunk.index}",
+                    acknowledges=state.last_push[chunk.index],
                 )
                 for chunk in state.chunks
             ]

@@ -53,7 +53,18 @@ class Request:
         nbytes: bytes of all frames sent.
     """
 
-    __slots__ = ("rid", "server", "op", "what", "nbytes", "_event", "_reply", "_error", "_done_cb")
+    __slots__ = (
+        "rid",
+        "server",
+        "op",
+        "what",
+        "nbytes",
+        "acknowledges",
+        "_event",
+        "_reply",
+        "_error",
+        "_done_cb",
+    )
 
     def __init__(self, rid: int, server: int, op: Op, what: str, nbytes: int) -> None:
         self.rid = rid
@@ -61,6 +72,7 @@ class Request:
         self.op = op
         self.what = what
         self.nbytes = nbytes
+        self.acknowledges: Request | None = None
         self._event = threading.Event()
         self._reply: Message | None = None
         self._error: BaseException | None = None
@@ -108,6 +120,10 @@ def wait_all(requests: Sequence[Request], timeout: float | None) -> list[Message
     if first_error is not None:
         raise first_error
     return replies
+
+
+_ACKNOWLEDGED = Message(op=Op.REPLY, rid=0, fields={}, payloads=[])
+"""What a push request holds when a later pull's reply acknowledged it."""
 
 
 class Transport:
@@ -166,6 +182,7 @@ class Transport:
         order_key: Any = None,
         what: str = "",
         on_done: Callable[[Request], None] | None = None,
+        acknowledges: Request | None = None,
     ) -> Request:
         """Queue a request to ``server`` and return it; thread-safe, never blocks on I/O.
 
@@ -180,12 +197,15 @@ class Transport:
             what: description for error messages.
             on_done: called (on the I/O thread, or at once if the request fails early) when
                 the request completes.
+            acknowledges: an earlier request that this one's successful reply also completes
+                (a pull's value reply acknowledges the same chunk's push; see the server).
         """
         rid = next(self._ids)
         frames = wire.encode(op, rid, fields, payloads)
         nbytes = sum(wire.buffer_nbytes(f) for f in frames)
         request = Request(rid, server, op, what or op.name, nbytes)
         request._done_cb = on_done
+        request.acknowledges = acknowledges
         with self._lock:
             if self._closing:
                 raise KVStoreError("the store is closed")
@@ -296,9 +316,14 @@ class Transport:
                 continue
             with self._lock:
                 request = self._pending.pop(msg.rid, None)
+                implied = request.acknowledges if request is not None else None
+                if implied is not None and msg.op is Op.REPLY:
+                    self._pending.pop(implied.rid, None)
             if request is None:
-                logger.warning("reply to unknown request %d ignored", msg.rid)
+                logger.debug("reply to unknown request %d ignored", msg.rid)
                 continue
+            if implied is not None and msg.op is Op.REPLY:
+                implied._complete(_ACKNOWLEDGED, None)
             if msg.op is Op.ERROR:
                 where = f"server {request.server} ({self.servers[request.server]})"
                 error = error_from_code(msg["code"], msg["msg"], where)

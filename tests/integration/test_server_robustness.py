@@ -124,17 +124,20 @@ def test_a_second_push_in_a_round_waits_for_the_next_round(servers_factory):
         push = {"k": "w", "c": 0, "n": 4}
         a.send("PUSH", push, [np.full(4, 1, np.float32)])  # round 1
         a.send("PUSH", push, [np.full(4, 10, np.float32)])  # round 2: deferred
-        a.send("PULL", {"k": "w", "c": 0})  # waits for both of a's pushes
+        pull_rid = a.send("PULL", {"k": "w", "c": 0})  # waits for both of a's pushes
         b.send("PUSH", push, [np.full(4, 100, np.float32)])  # completes round 1
         assert a.receive().op is Op.REPLY  # round 1 ack
         assert b.receive().op is Op.REPLY
         b_pull = b.request("PULL", {"k": "w", "c": 0})
         assert np.frombuffer(b_pull.payloads[0], np.float32).tolist() == [101] * 4
         b.send("PUSH", push, [np.full(4, 1000, np.float32)])  # completes round 2
-        assert a.receive().op is Op.REPLY  # round 2 ack
+        # a's pull is answered in the round that applied a's second push: that value reply is
+        # the push's acknowledgement too (no separate ack); b pulled nothing and gets its ack.
         a_pull = a.receive()
+        assert a_pull.rid == pull_rid
         assert np.frombuffer(a_pull.payloads[0], np.float32).tolist() == [1010] * 4
         assert b.receive().op is Op.REPLY
+        assert not a.socket.poll(200)  # nothing else for a
     finally:
         a.close()
         b.close()

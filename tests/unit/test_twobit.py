@@ -12,7 +12,8 @@ from kvstore.codecs import get_codec, twobit
 from kvstore.errors import CodecError
 
 KERNELS = ["numpy", "numba"]
-LENGTHS = [0, 1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 100, 255, 1000, 4097]
+LENGTHS = [0, 1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 100, 255, 1000, 2047, 2048]
+LENGTHS += [2049, 4097, 6160]  # around the compiled kernels' 2048-element blocks
 THRESHOLDS = [1e-3, 0.1, 0.5, 1.0, 3.75]
 
 
@@ -121,7 +122,7 @@ def test_decode_accumulates_and_ignores_padding_and_code_01(kernels):
     assert out.tolist() == [0.25, -0.25, 0.0]
 
 
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, 4097])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, 2048, 4097, 6160])
 def test_decode_matches_oracle(n):
     rng = np.random.default_rng(n)
     g = (rng.standard_normal(n)).astype(np.float32)

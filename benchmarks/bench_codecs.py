@@ -1,0 +1,200 @@
+"""Codec kernels against one numpy ``a += b`` pass over the same array, in the same run.
+
+Prints one JSON line per measurement. Each kernel is timed interleaved with the baseline
+(single thread, median of ``--repeats``), and reported as a ratio to it, next to the bytes it
+must move (its memory floor):
+
+* ``a += b``: reads 8 bytes and writes 4 per element (12 B/element);
+* 2-bit encode with residual: reads grad and residual, writes residual and 1/4 byte of codes
+  (12.25 B/element: floor ratio 1.02);
+* 2-bit decode-and-accumulate: reads 1/4 byte of codes, reads and writes the fp32 sum
+  (8.25 B/element: floor ratio 0.69).
+
+It also times the server-side decode/aggregate of one round (the real ``Aggregator`` objects,
+one per partition) on 1, 2, 4... threads, which scales because the kernels release the GIL.
+With ``--gpu`` (CuPy and a device needed) it times the CuPy kernels at 100M elements against a
+device-to-device copy of the same bytes.
+
+    python benchmarks/bench_codecs.py --preset smoke
+    python benchmarks/bench_codecs.py --preset full
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from common import emit, interleaved_medians, machine  # noqa: E402
+
+from kvstore.codecs import get_codec, twobit  # noqa: E402
+
+PRESETS = {
+    "smoke": {"elements": 1 << 20, "repeats": 5, "threads": [1, 2], "partitions": 8},
+    "full": {"elements": 16 << 20, "repeats": 21, "threads": [1, 2, 4], "partitions": 16},
+}
+
+
+def bench_kernels(n: int, repeats: int) -> None:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    grad = rng.standard_normal(n).astype(np.float32)
+    residual = np.zeros(n, np.float32)
+    words = np.empty(twobit.packed_words(n), np.uint32)
+    acc = np.zeros(n, np.float32)
+    t = np.float32(0.5)
+    enc_numba, dec_numba = twobit.cpu_kernels("numba")
+    enc_numpy, dec_numpy = twobit.cpu_kernels("numpy")
+    enc_numba(grad, residual, t, words)  # compile (or load the cache) outside the timing
+    dec_numba(words, n, t, acc, True)
+    cases = {
+        "a += b (numpy)": (lambda: np.add(a, b, out=a), 12.0),
+        "2bit encode (numba)": (lambda: enc_numba(grad, residual, t, words), 12.25),
+        "2bit decode+accumulate (numba)": (lambda: dec_numba(words, n, t, acc, True), 8.25),
+        "2bit decode (numba)": (lambda: dec_numba(words, n, t, acc, False), 4.25),
+    }
+    if n <= 1 << 22:  # the numpy reference is slow; keep the smoke run short
+        cases["2bit encode (numpy reference)"] = (
+            lambda: enc_numpy(grad, residual, t, words),
+            12.25,
+        )
+        cases["2bit decode+accumulate (numpy reference)"] = (
+            lambda: dec_numpy(words, n, t, acc, True),
+            8.25,
+        )
+    medians = interleaved_medians({name: fn for name, (fn, _) in cases.items()}, repeats)
+    base = medians["a += b (numpy)"]
+    for name, (_, bytes_per_element) in cases.items():
+        seconds = medians[name]
+        emit(
+            {
+                "bench": "codecs",
+                "op": name,
+                "elements": n,
+                "seconds": round(seconds, 6),
+                "ratio_to_add": round(seconds / base, 3),
+                "floor_ratio": round(bytes_per_element / 12.0, 3),
+                "gbytes_per_s": round(bytes_per_element * n / seconds / 1e9, 2),
+                "threads": 1,
+            }
+        )
+
+
+def bench_server_threads(n: int, partitions: int, thread_counts: list[int], repeats: int) -> None:
+    """One round of server-side decode/aggregate: ``partitions`` aggregators, T threads."""
+    codec = get_codec("2bit", threshold=0.5)
+    size = n // partitions
+    rng = np.random.default_rng(1)
+    aggregators = [codec.make_aggregator(size, "float32") for _ in range(partitions)]
+    payloads = []
+    for _ in range(partitions):
+        words = twobit.encode(
+            rng.standard_normal(size).astype(np.float32), np.zeros(size, np.float32), 0.5
+        )
+        payloads.append([words])
+    for agg, payload in zip(aggregators, payloads, strict=True):
+        agg.add(payload, first=True)
+    baseline = None
+    for threads in thread_counts:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+
+            def one_round() -> None:
+                list(pool.map(lambda i: aggregators[i].add(payloads[i], False), range(partitions)))
+
+            seconds = interleaved_medians({"round": one_round}, repeats)["round"]
+        baseline = baseline or seconds
+        emit(
+            {
+                "bench": "codecs",
+                "op": "server decode+aggregate round (2bit)",
+                "elements": size * partitions,
+                "partitions": partitions,
+                "threads": threads,
+                "seconds": round(seconds, 6),
+                "speedup_vs_1_thread": round(baseline / seconds, 2),
+                "gbytes_per_s": round(8.25 * size * partitions / seconds / 1e9, 2),
+                "cpu_cores": os.cpu_count(),
+            }
+        )
+
+
+def bench_gpu(repeats: int) -> None:
+    import cupy
+
+    n = 100_000_000
+    rng = cupy.random.default_rng(0)
+    grad = rng.standard_normal(n, dtype=cupy.float32)
+    residual = cupy.zeros(n, cupy.float32)
+    words = cupy.empty(twobit.packed_words(n), cupy.uint32)
+    out = cupy.zeros(n, cupy.float32)
+    src = cupy.empty(n, cupy.float32)
+    dst = cupy.empty(n, cupy.float32)
+
+    def timed(fn) -> float:
+        fn()
+        cupy.cuda.Device().synchronize()
+        start_event, end_event = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(repeats):
+            start_event.record()
+            fn()
+            end_event.record()
+            end_event.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start_event, end_event) / 1000)
+        return float(np.median(times))
+
+    copy_s = timed(lambda: cupy.copyto(dst, src))
+    copy_bw = 8.0 * n / copy_s  # read + write
+    cases = {
+        "2bit encode (cupy)": (lambda: twobit.encode(grad, residual, 0.5, words), 12.25),
+        "2bit decode+accumulate (cupy)": (
+            lambda: twobit.decode(words, n, 0.5, out, accumulate=True),
+            8.25,
+        ),
+    }
+    emit({"bench": "codecs", "op": "device copy (cupy)", "elements": n, "seconds": copy_s,
+          "gbytes_per_s": round(copy_bw / 1e9, 1)})  # fmt: skip
+    for name, (fn, bytes_per_element) in cases.items():
+        seconds = timed(fn)
+        bw = bytes_per_element * n / seconds
+        emit(
+            {
+                "bench": "codecs",
+                "op": name,
+                "elements": n,
+                "seconds": round(seconds, 6),
+                "gbytes_per_s": round(bw / 1e9, 1),
+                "fraction_of_copy_bandwidth": round(bw / copy_bw, 3),
+            }
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    parser.add_argument("--elements", type=int, help="override the preset's array size")
+    parser.add_argument("--repeats", type=int, help="override the preset's repeat count")
+    parser.add_argument("--gpu", action="store_true", help="also time the CuPy kernels")
+    args = parser.parse_args(argv)
+    preset = dict(PRESETS[args.preset])
+    n = args.elements or preset["elements"]
+    repeats = args.repeats or preset["repeats"]
+    started = time.time()
+    bench_kernels(n, repeats)
+    bench_server_threads(n, preset["partitions"], preset["threads"], repeats)
+    if args.gpu:
+        bench_gpu(repeats)
+    emit({"bench": "codecs", "preset": args.preset, "machine": machine(),
+          "wall_seconds": round(time.time() - started, 1)})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

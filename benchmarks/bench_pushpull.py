@@ -1,0 +1,223 @@
+"""Push+pull on loopback: kvstore (dense and 2-bit) against bare pyzmq, in the same run.
+
+Layout: 1 server process and W worker processes on 127.0.0.1; one key of ``--elements`` fp32
+values; each step every worker pushes the key and pulls it back (``dist_sync``, no optimizer).
+
+* ``bare pyzmq``: the same processes move the same bytes with nothing else: each worker sends
+  its value (``copy=False``) to a ROUTER; once all W arrived, the server sends a preallocated
+  value of the same size back to each; workers receive with ``copy=False``.
+* ``kvstore none``: ``kv.push`` + ``kv.pull`` uncompressed.
+* ``kvstore 2bit``: the same with 2-bit compressed pushes (pulls are dense fp32).
+
+Configurations run in alternation for ``--rounds`` rounds (so machine noise hits all of them
+alike); each reports the median seconds per step over all rounds' steps. Ratios: kvstore dense
+over bare pyzmq, and 2-bit over dense. One JSON line per configuration, then a summary line.
+
+    python benchmarks/bench_pushpull.py --preset smoke
+    python benchmarks/bench_pushpull.py --preset full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit, machine  # noqa: E402
+
+HERE = Path(__file__).resolve()
+
+PRESETS = {
+    "smoke": {"elements": 1_000_000, "workers": 2, "steps": 5, "rounds": 1},
+    "full": {"elements": 10_000_000, "workers": 2, "steps": 15, "rounds": 5},
+}
+
+
+# child roles ---------------------------------------------------------------------------------
+
+
+def bare_server(workers: int, elements: int, steps: int) -> None:
+    import numpy as np
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(f"KVSTORE_READY tcp://127.0.0.1:{port}", flush=True)
+    reply = np.ones(elements, np.float32)
+    for _ in range(steps + 1):  # one warm-up step
+        identities = []
+        for _ in range(workers):
+            frames = sock.recv_multipart(copy=False)
+            identities.append(frames[0].bytes)
+        for identity in identities:
+            sock.send_multipart([identity, reply], copy=False)
+    sock.close(linger=30_000)  # let the last replies leave before exiting
+    ctx.term()
+
+
+def bare_worker(address: str, elements: int, steps: int) -> None:
+    import numpy as np
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    value = np.ones(elements, np.float32)
+    times = []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        sock.send(value, copy=False)
+        frame = sock.recv(copy=False)
+        assert len(frame) == value.nbytes
+        if step:
+            times.append(time.perf_counter() - start)
+    print(json.dumps({"times": times}), flush=True)
+    sock.close(0)
+    ctx.term()
+
+
+def kv_worker(address: str, rank: int, workers: int, elements: int, steps: int, codec: str) -> None:
+    import numpy as np
+
+    import kvstore
+
+    kv = kvstore.create("dist_sync", servers=[address], rank=rank, num_workers=workers)
+    if codec != "none":
+        kv.set_gradient_compression({"type": codec, "threshold": 0.5})
+    grad = np.random.default_rng(rank).standard_normal(elements).astype(np.float32)
+    out = np.empty(elements, np.float32)
+    kv.init("w", out)
+    times = []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        kv.push("w", grad)
+        kv.pull("w", out=out)
+        if step:
+            times.append(time.perf_counter() - start)
+    kv.barrier()
+    kv.close()
+    print(json.dumps({"times": times}), flush=True)
+
+
+# orchestration -------------------------------------------------------------------------------
+
+
+def _start_server(command: list[str]) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, env={**os.environ, "KVSTORE_LOG_LEVEL": "ERROR"}
+    )
+    line = process.stdout.readline()
+    if not line.startswith("KVSTORE_READY"):
+        process.kill()
+        raise RuntimeError(f"server did not start: {line!r}")
+    return process, line.split()[1]
+
+
+def run_config(name: str, workers: int, elements: int, steps: int) -> list[float]:
+    """Start a server and the workers of one configuration; return all workers' step times."""
+    py = sys.executable
+    if name == "bare pyzmq":
+        server_cmd = [py, str(HERE), "--role", "bare-server"]
+    else:
+        server_cmd = [py, "-m", "kvstore.server", "--num-workers", str(workers), "--threads", "2"]
+    server_cmd += ["--workers", str(workers)] if name == "bare pyzmq" else []
+    server_cmd += (
+        ["--elements", str(elements), "--steps", str(steps)] if name == "bare pyzmq" else []
+    )
+    server, address = _start_server(server_cmd)
+    try:
+        children = []
+        for rank in range(workers):
+            command = [py, str(HERE), "--address", address, "--elements", str(elements)]
+            command += ["--steps", str(steps), "--workers", str(workers), "--rank", str(rank)]
+            if name == "bare pyzmq":
+                command += ["--role", "bare-worker"]
+            else:
+                command += ["--role", "kv-worker", "--codec", name.split()[-1]]
+            children.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+        times: list[float] = []
+        for child in children:
+            out, _ = child.communicate(timeout=600)
+            if child.returncode != 0:
+                raise RuntimeError(f"{name} worker failed with {child.returncode}")
+            times += json.loads(out.strip().splitlines()[-1])["times"]
+        return times
+    finally:
+        if server.poll() is None:
+            server.terminate()
+        server.wait(30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    parser.add_argument("--elements", type=int)
+    parser.add_argument("--workers", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--codec", default="none", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    elements = args.elements or preset["elements"]
+    workers = args.workers or preset["workers"]
+    steps = args.steps or preset["steps"]
+    if args.role == "bare-server":
+        bare_server(workers, elements, steps)
+        return 0
+    if args.role == "bare-worker":
+        bare_worker(args.address, elements, steps)
+        return 0
+    if args.role == "kv-worker":
+        kv_worker(args.address, args.rank, workers, elements, steps, args.codec)
+        return 0
+
+    configs = ["bare pyzmq", "kvstore none", "kvstore 2bit"]
+    samples: dict[str, list[float]] = {c: [] for c in configs}
+    for _ in range(args.rounds or preset["rounds"]):
+        for config in configs:
+            samples[config] += run_config(config, workers, elements, steps)
+    medians = {c: statistics.median(v) for c, v in samples.items()}
+    nbytes = 4 * elements
+    for config in configs:
+        push_bytes = nbytes // 16 if config.endswith("2bit") else nbytes
+        emit(
+            {
+                "bench": "pushpull",
+                "config": config,
+                "workers": workers,
+                "servers": 1,
+                "elements": elements,
+                "bytes_per_worker_step": push_bytes + nbytes,
+                "seconds_per_step": round(medians[config], 5),
+                "steps_measured": len(samples[config]),
+            }
+        )
+    emit(
+        {
+            "bench": "pushpull",
+            "summary": True,
+            "dense_over_bare_pyzmq": round(medians["kvstore none"] / medians["bare pyzmq"], 3),
+            "twobit_over_dense": round(medians["kvstore 2bit"] / medians["kvstore none"], 3),
+            "machine": machine(),
+        }
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Shared helpers of the benchmarks: JSON-lines output, an environment stamp, robust timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers were measured."""
+    model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import numpy
+
+    stamp = {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+    }
+    for name in ("numba", "zmq", "torch"):
+        module = sys.modules.get(name)
+        if module is not None:
+            stamp[name] = getattr(module, "__version__", "?")
+    return stamp
+
+
+def emit(record: dict[str, Any]) -> None:
+    """Print one JSON line (and flush, so a pipe sees it at once)."""
+    print(json.dumps(record, sort_keys=False), flush=True)
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+) -> dict[str, float]:
+    """Median times of several functions measured in alternation (noise hits all alike)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
