@@ -109,6 +109,55 @@ class _KeyState:
         return f"key {self.key!r} (shape {self.shape}, {self.dtype})"
 
 
+class _Landing:
+    """Puts a key's pulled chunks into ``out`` as their replies arrive.
+
+    For host memory the copy runs on the transport's I/O thread as each reply comes in, so the
+    caller wakes once per key instead of once per chunk; GPU targets are filled by the caller.
+    """
+
+    def __init__(self, state: _KeyState, out: Any, stats: TrafficStats) -> None:
+        self.state = state
+        self.target = vals.FlatTarget(out)
+        self.itemsize = np.dtype(state.dtype).itemsize
+        self.on_io_thread = not self.target.on_gpu
+        self.stats = stats
+        self._remaining = len(state.chunks)
+        self._lock = threading.Lock()
+        self.all_arrived = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def callback(self, chunk: Chunk) -> Any:
+        """The completion callback of ``chunk``'s request (None when the caller copies)."""
+        if not self.on_io_thread:
+            return None
+
+        def land(request: Request) -> None:
+            try:
+                if request._error is not None:
+                    raise request._error
+                self.write(chunk, request._reply)
+            except BaseException as exc:
+                self.errors.append(exc)
+            with self._lock:
+                self._remaining -= 1
+                if self._remaining == 0:
+                    self.all_arrived.set()
+
+        return land
+
+    def write(self, chunk: Chunk, reply: Any) -> None:
+        """Check one reply's size and copy its values into ``out``."""
+        nbytes = chunk.numel * self.itemsize
+        if len(reply.payloads) != 1 or buffer_nbytes(reply.payloads[0]) != nbytes:
+            raise ProtocolError(
+                f"reply for key {self.state.key!r} chunk {chunk.index} has the wrong size"
+            )
+        self.target.write(chunk.start, chunk.stop, frame_array(reply.payloads[0], self.state.dtype))
+        self.stats.pulled_bytes += nbytes
+        self.stats.pull_messages += 1
+
+
 def _normalize_key(key: Any) -> Key:
     if isinstance(key, bool):
         raise TypeError("expected int or str for `key`, got bool")
@@ -425,7 +474,14 @@ class KVStore:
         except KVStoreError as exc:
             raise type(exc)(f"an earlier push of {state.describe()} failed: {exc}") from exc
 
-    def _send_pushes(self, state: _KeyState, value: Any, op: Op, priority: int) -> list[Request]:
+    def _send_pushes(
+        self,
+        state: _KeyState,
+        value: Any,
+        op: Op,
+        priority: int,
+        landing: _Landing | None = None,
+    ) -> list[Request]:
         source = vals.flat_source(value)
         requests = []
         with vals.device_stream(value):
@@ -442,6 +498,7 @@ class KVStore:
                     priority=priority,
                     order_key=(state.key, chunk.index),
                     what=f"{op.name} of key {state.key!r} chunk {chunk.index}",
+                    on_done=landing.callback(chunk) if landing is not None else None,
                 )
                 if request.failed():  # refused before sending (the server is gone)
                     request.wait()
@@ -500,6 +557,7 @@ class KVStore:
             self._check_value(state, o, "out")
         pending = []
         for state, o in work:
+            landing = _Landing(state, o, self._stats)
             requests = [
                 self._transport.submit(
                     chunk.server,
@@ -508,11 +566,12 @@ class KVStore:
                     priority=priority,
                     order_key=(state.key, chunk.index),
                     what=f"pull of key {state.key!r} chunk {chunk.index}",
+                    on_done=landing.callback(chunk),
                     acknowledges=state.last_push[chunk.index],
                 )
                 for chunk in state.chunks
             ]
-            pending.append((state, o, requests))
+            pending.append((landing, requests))
         self._receive_values(pending)
 
     def pushpull(self, key: KeyArg, value: Any, out: Any = None, priority: int = 0) -> None:
@@ -525,33 +584,34 @@ class KVStore:
         for state, v, o in work:
             self._check_value(state, v, "value")
             self._check_value(state, o, "out")
-        pending = [
-            (state, o, self._send_pushes(state, v, Op.PUSHPULL, priority)) for state, v, o in work
-        ]
+        pending = []
+        for state, v, o in work:
+            landing = _Landing(state, o, self._stats)
+            pending.append((landing, self._send_pushes(state, v, Op.PUSHPULL, priority, landing)))
         self._receive_values(pending)
 
-    def _receive_values(self, pending: Iterable[tuple[_KeyState, Any, list[Request]]]) -> None:
+    def _receive_values(self, pending: Iterable[tuple[_Landing, list[Request]]]) -> None:
         first_error: BaseException | None = None
-        for state, out, requests in pending:
-            target = vals.FlatTarget(out)
-            itemsize = np.dtype(state.dtype).itemsize
-            for chunk, request in zip(state.chunks, requests, strict=True):
-                try:
-                    reply = request.wait(self._options.timeout)
-                    nbytes = chunk.numel * itemsize
-                    if len(reply.payloads) != 1 or buffer_nbytes(reply.payloads[0]) != nbytes:
-                        raise ProtocolError(
-                            f"reply for key {state.key!r} chunk {chunk.index} has the wrong size"
-                        )
-                    target.write(
-                        chunk.start, chunk.stop, frame_array(reply.payloads[0], state.dtype)
+        for landing, requests in pending:
+            state = landing.state
+            if landing.on_io_thread:
+                if not landing.all_arrived.wait(self._options.timeout):
+                    waiting = next(r for r in requests if not r.done())
+                    first_error = first_error or KVStoreTimeoutError(
+                        f"{waiting.what} to server {waiting.server} got no reply within "
+                        f"{self._options.timeout} s (KVSTORE_TIMEOUT); is another worker stuck "
+                        f"or dead?"
                     )
-                    self._stats.pulled_bytes += chunk.numel * itemsize
-                    self._stats.pull_messages += 1
-                except KVStoreError as exc:
-                    first_error = first_error or exc
+                for error in landing.errors:
+                    first_error = first_error or error
+            else:
+                for chunk, request in zip(state.chunks, requests, strict=True):
+                    try:
+                        landing.write(chunk, request.wait(self._options.timeout))
+                    except KVStoreError as exc:
+                        first_error = first_error or exc
             if first_error is None:
-                target.finish()
+                landing.target.finish()
             for index, push in enumerate(state.last_push):
                 if push is not None and push.failed() and first_error is None:
                     try:

@@ -100,9 +100,13 @@ class Request:
         if self._event.is_set():
             return
         self._reply, self._error = reply, error
-        self._event.set()
         if self._done_cb is not None:
-            self._done_cb(self)
+            # Before the event: whoever waits on this request sees the callback's work done.
+            try:
+                self._done_cb(self)
+            except Exception:
+                logger.exception("completion callback of %s failed", self.what)
+        self._event.set()
 
 
 def wait_all(requests: Sequence[Request], timeout: float | None) -> list[Message]:
