@@ -12,7 +12,12 @@ Rules (DESIGN.md, "Sharding"):
   ``[W*i//S, W*(i+1)//S)`` of the ``W = ceil(n/16)`` words; the last slice ends at ``n``.
 * Each slice is further cut into *chunks* of at most ``partition_elems`` elements (a multiple of
   16), so that encoding, sending, server-side decoding and replies of one big key overlap. A chunk
-  is the unit of server state: it has its own round, optimizer state and reply.
+  is the unit of server state: it has its own round, optimizer state and reply. Chunk sizes ramp
+  up within a slice, like TCP's slow start: ``partition/4, partition/2``, then ``partition``. A
+  server's first round of a step then completes, and its replies start flowing back, after a
+  quarter of a partition has arrived from every worker instead of a whole one, while most bytes
+  still travel in full-size messages. (Once replies flow,
+  the server's outgoing link never waits again: rounds complete as fast as pushes arrive.)
 
 Every worker must use the same ``bigarray_bound`` and ``partition_elems``; the server checks that
 all workers declare the same chunks at init.
@@ -88,6 +93,23 @@ class Chunk:
         return self.stop - self.start
 
 
+RAMP_STEPS = 2
+"""A slice's first chunks are partition / 4 and partition / 2 long."""
+
+
+def chunk_sizes(length: int, partition_elems: int) -> list[int]:
+    """Chunk lengths of a slice of ``length`` elements: ramping up, then ``partition_elems``."""
+    sizes = []
+    size = max(WORD_ELEMS, (partition_elems >> RAMP_STEPS) // WORD_ELEMS * WORD_ELEMS)
+    left = length
+    while left > 0:
+        take = min(left, size)
+        sizes.append(take)
+        left -= take
+        size = min(partition_elems, size * 2)
+    return sizes or [0]
+
+
 def partition_elems_for(partition_bytes: int, itemsize: int) -> int:
     """Largest chunk length, in elements, for a partition size in bytes (a multiple of 16)."""
     elems = max(1, partition_bytes // max(1, itemsize))
@@ -129,10 +151,7 @@ def plan_chunks(
         if hi == lo and numel > 0:
             continue  # a server with nothing of this key
         start = lo
-        while True:
-            stop = min(hi, start + partition_elems)
-            chunks.append(Chunk(len(chunks), server, start, stop))
-            start = stop
-            if start >= hi:
-                break
+        for size in chunk_sizes(hi - lo, partition_elems):
+            chunks.append(Chunk(len(chunks), server, start, start + size))
+            start += size
     return tuple(chunks)

@@ -20,6 +20,12 @@ unpacked with ``raw=False, strict_map_key=True``:
 ``nb``      list of the payload frames' byte lengths
 ==========  ==============================================================================
 
+Each worker holds two connections to each server: a *data* lane for pushes and inits (bulk
+payloads) and a *control* lane for pulls, barriers and the other small requests, so that a pull
+request never queues behind megabytes of pushes in one TCP stream. Across two connections
+arrival order means nothing, so a PULL says how many of the worker's pushes of the chunk it must
+follow (``af``), and a value reply names the push requests it acknowledges (``ak``).
+
 Payloads are raw contiguous buffers (numpy/pinned memory, packed codec words), never embedded in
 msgpack, sent with ``copy=False`` and received without copies. Nothing is ever pickled.
 
@@ -45,12 +51,18 @@ import msgpack
 
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_KEY_LENGTH = 1024
 MAX_NDIM = 32
 MAX_PARAMS = 64
+MAX_ACKS = 65536
+
+LANE_DATA = 0
+"""The connection that carries pushes and inits (bulk payloads)."""
+LANE_CONTROL = 1
+"""The connection that carries pulls, barriers and the other small requests."""
 
 DTYPES: frozenset[str] = frozenset({"float32", "float16", "float64", "int32", "int64"})
 """Value dtypes accepted on the wire."""
@@ -124,6 +136,18 @@ def _check_shape(name: str, value: Any) -> None:
             raise ProtocolError(f"field {name!r}: dimension {dim!r} is not a non-negative int")
 
 
+def _check_rids(name: str, value: Any) -> None:
+    if not isinstance(value, list) or len(value) > MAX_ACKS:
+        raise ProtocolError(f"field {name!r} must be a list of at most {MAX_ACKS} request ids")
+    for rid in value:
+        _check_uint(name, rid)
+
+
+def _check_lane(name: str, value: Any) -> None:
+    if value not in (LANE_DATA, LANE_CONTROL):
+        raise ProtocolError(f"field {name!r}: lane {value!r} is not {LANE_DATA} or {LANE_CONTROL}")
+
+
 def _check_params(name: str, value: Any) -> None:
     if not isinstance(value, dict) or len(value) > MAX_PARAMS:
         raise ProtocolError(f"field {name!r} must be a map of at most {MAX_PARAMS} entries")
@@ -136,7 +160,7 @@ def _check_params(name: str, value: Any) -> None:
             )
 
 
-KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE = (
+KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE, RIDS, LANE = (
     _check_key,
     _check_uint,
     _check_str,
@@ -144,6 +168,8 @@ KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE = (
     _check_shape,
     _check_params,
     _check_mode,
+    _check_rids,
+    _check_lane,
 )
 
 # Per op: (field name, validator, required). The order is the order in the encoded header.
@@ -154,6 +180,7 @@ SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
         ("ns", UINT, True),  # number of servers
         ("si", UINT, True),  # the server rank this worker expects at this address
         ("m", MODE, True),  # mode
+        ("ln", LANE, True),  # which of the worker's two connections this is
     ),
     Op.INIT: (
         ("k", KEY, True),
@@ -166,12 +193,14 @@ SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
         ("cp", PARAMS, True),  # codec parameters
     ),
     Op.PUSH: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True)),
-    Op.PULL: (("k", KEY, True), ("c", UINT, True)),
+    # "af": answer once this many of the worker's pushes of the chunk are applied
+    Op.PULL: (("k", KEY, True), ("c", UINT, True), ("af", UINT, True)),
     Op.PUSHPULL: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True)),
     Op.BARRIER: (),
     Op.SET_OPTIMIZER: (("opt", STR, True), ("hp", PARAMS, True)),
     Op.BYE: (),
-    Op.REPLY: (("sr", UINT, False), ("n", UINT, False), ("dt", DTYPE, False)),
+    # "ak": ids of push requests this (value) reply also acknowledges
+    Op.REPLY: (("sr", UINT, False), ("ak", RIDS, False)),
     Op.ERROR: (("code", STR, True), ("msg", STR, True)),
 }
 
@@ -212,15 +241,32 @@ class Message:
 
 def buffer_nbytes(buffer: Any) -> int:
     """Byte length of a buffer (bytes, numpy array, memoryview or zmq.Frame)."""
-    if isinstance(buffer, bytes | bytearray):
+    kind = type(buffer)
+    if kind is bytes or kind is bytearray:
         return len(buffer)
     nbytes = getattr(buffer, "nbytes", None)  # numpy, memoryview
     if nbytes is not None:
-        return int(nbytes)
+        return nbytes
     buf = getattr(buffer, "buffer", None)  # zmq.Frame
     if buf is not None:
         return memoryview(buf).nbytes
     return memoryview(buffer).nbytes
+
+
+def recv_frames(sock: Any) -> list[Any]:
+    """Receive one multipart message without blocking (raises ``zmq.Again`` if none).
+
+    Same as ``sock.recv_multipart(zmq.NOBLOCK, copy=False)``, but reads each frame's ``more``
+    flag instead of querying the socket option per frame, which costs more than the receive.
+    """
+    import zmq  # noqa: PLC0415  (the transports import it anyway)
+
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames
 
 
 def _header_bytes(frame: Any) -> bytes:

@@ -68,6 +68,18 @@ class ChunkSpec:
 
 
 @dataclass
+class PullWaiter:
+    """A pull that waits until ``after`` of its worker's pushes of the chunk are applied.
+
+    ``acks`` collects the ids of that worker's pushes its value reply will acknowledge.
+    """
+
+    reply: PendingReply
+    after: int
+    acks: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Deferred:
     """A push that arrived while its worker already had a push in the current round."""
 
@@ -92,9 +104,9 @@ class ChunkState:
     round_error: BaseException | None = None
     accumulated: int = 0
     deferred: deque[Deferred] = field(default_factory=deque)
-    # pushes received from each rank and not yet applied; pulls wait for their own rank's
-    pending: Counter[int] = field(default_factory=Counter)
-    pull_waiters: list[PendingReply] = field(default_factory=list)
+    # pushes of each rank that are done (applied, or failed); a pull says how many it follows
+    applied: Counter[int] = field(default_factory=Counter)
+    pull_waiters: list[PullWaiter] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     optimizer_name: str | None = None
     optimizer_state: dict[str, Any] | None = None

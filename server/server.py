@@ -23,11 +23,12 @@ all N pushes are acknowledged. A worker's second push of a chunk within one roun
 next round. ``dist_async``: each push is decoded and applied on arrival (an optimizer is required)
 and acknowledged.
 
-Pulls are answered with the chunk's published value, but only after every push the same worker
-sent earlier for that chunk has been applied (ZeroMQ keeps one connection's messages in order), so
+Pulls are answered with the chunk's published value, but only after as many of the same worker's
+pushes of that chunk have been applied as the pull says it follows (``af``: pulls travel on the
+worker's control connection, pushes on its data connection, so arrival order means nothing). So
 ``push`` then ``pull`` reads the worker's own update without an extra round trip. Such a value
-reply also acknowledges those pushes: when a worker's pull is answered in the round that applied
-its push, the push gets no separate ack (errors always get their own reply, sent first).
+reply also acknowledges those pushes: a push whose worker's pull is answered in the round that
+applied it gets no separate ack; the reply lists it in ``ak`` (errors always get their own reply).
 
 ``init`` is collective: each worker declares the chunk's spec (rank 0 also sends the value), the
 specs must match rank 0's, and every worker's init is answered once rank 0's value is stored, so
@@ -58,7 +59,7 @@ from kvstore.codecs.base import frame_array
 from kvstore.config import ServerConfig
 from kvstore.errors import CodecError, ErrorCode, OptimizerError, ProtocolError
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
-from kvstore.server.chunk import ChunkSpec, ChunkState, Deferred, PendingReply
+from kvstore.server.chunk import ChunkSpec, ChunkState, Deferred, PendingReply, PullWaiter
 from kvstore.server.optimizers import Optimizer, make_optimizer
 from kvstore.wire import Message, Op
 
@@ -84,8 +85,9 @@ class _Job:
     """State of the job the server currently serves (reset when all workers left)."""
 
     mode: str | None = None
-    sessions: dict[bytes, int] = field(default_factory=dict)
-    ranks: dict[int, bytes] = field(default_factory=dict)
+    sessions: dict[bytes, int] = field(default_factory=dict)  # identity -> rank
+    lanes: dict[bytes, int] = field(default_factory=dict)  # identity -> lane
+    ranks: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (rank, lane) -> identity
     chunks: dict[tuple[Any, int], ChunkState] = field(default_factory=dict)
     optimizer: Optimizer | None = None
     proposals: dict[int, tuple[OptimizerSpec, PendingReply]] = field(default_factory=dict)
@@ -217,7 +219,7 @@ class ShardServer:
             return
         for _ in range(DRAIN_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = wire.recv_frames(sock)
             except zmq.Again:
                 return
             except zmq.ZMQError:
@@ -250,10 +252,11 @@ class ShardServer:
     def _send_ack(self, reply: PendingReply, fields: dict[str, Any] | None = None) -> None:
         self._send(reply.identity, wire.reply(reply.rid, fields))
 
-    def _send_value(self, reply: PendingReply, chunk: ChunkState) -> None:
+    def _send_value(self, reply: PendingReply, chunk: ChunkState, acks: list[int] = ()) -> None:
         assert chunk.value is not None
         current = chunk.value.current
-        send = self._send(reply.identity, wire.reply(reply.rid, None, [current]), track=True)
+        fields = {"ak": list(acks)} if acks else None
+        send = self._send(reply.identity, wire.reply(reply.rid, fields, [current]), track=True)
         if send is not None:
             chunk.value.track(send)
 
@@ -353,13 +356,14 @@ class ShardServer:
                 ErrorCode.MODE_MISMATCH, "the local mode needs a server for exactly one worker"
             )
         if job.mode is not None and mode != job.mode:
-            ranks = sorted(job.ranks)
+            ranks = sorted({r for r, _ in job.ranks})
             raise RequestError(
                 ErrorCode.MODE_MISMATCH,
                 f"worker rank {rank} created a {mode!r} store but rank(s) {ranks} created "
                 f"{job.mode!r}: every worker of a job must use the same mode",
             )
-        holder = job.ranks.get(rank)
+        lane = msg["ln"]
+        holder = job.ranks.get((rank, lane))
         if holder is not None and holder != identity:
             raise RequestError(
                 ErrorCode.DUPLICATE_RANK,
@@ -368,14 +372,15 @@ class ShardServer:
             )
         job.mode = mode
         job.sessions[identity] = rank
-        job.ranks[rank] = identity
+        job.lanes[identity] = lane
+        job.ranks[(rank, lane)] = identity
         logger.debug("worker rank %d connected (%s, %s)", rank, _peer(identity), mode)
         self._send(identity, wire.reply(msg.rid, {"sr": cfg.server_rank}))
 
     def _on_bye(self, identity: bytes, rank: int, msg: Message) -> None:
         job = self._job
         job.sessions.pop(identity, None)
-        job.ranks.pop(rank, None)
+        job.ranks.pop((rank, job.lanes.pop(identity, 0)), None)
         self._send(identity, wire.reply(msg.rid))
         logger.debug("worker rank %d left", rank)
         if not job.sessions:
@@ -501,7 +506,6 @@ class ShardServer:
                 "call kv.set_optimizer(...) on every worker before pushing",
             )
         reply = PendingReply(identity, msg.rid, rank, msg.op is Op.PUSHPULL)
-        chunk.pending[rank] += 1
         if job.mode == "dist_async":
             self._spawn(self._push_async(chunk, reply, msg.payloads))
         else:
@@ -545,17 +549,13 @@ class ShardServer:
                     ]
             except Exception as exc:
                 error = exc
-        for reply in replies:
-            chunk.pending[reply.rank] -= 1
-        released = self._pulls_released_now(chunk)
-        for reply in replies:
-            if error is None and intermediate is not None:
+        if error is None and intermediate is not None:
+            for reply in replies:
+                chunk.applied[reply.rank] += 1
                 self._send(reply.identity, wire.reply(reply.rid, None, intermediate))
-            elif error is None and not reply.want_value and reply.rank in released:
-                pass  # the pull reply about to go out acknowledges this push
-            else:
-                self._finish_push(chunk, reply, error)
-        self._release_pulls(chunk)
+            self._release_pulls(chunk)
+        else:
+            self._pushes_done(chunk, replies, error)
         deferred, chunk.deferred = chunk.deferred, type(chunk.deferred)()
         for push in deferred:
             self._admit(chunk, push)
@@ -574,14 +574,7 @@ class ShardServer:
                 await self._apply(chunk, chunk.aggregator.result)
             except Exception as exc:
                 error = exc
-            chunk.pending[reply.rank] -= 1
-            if (
-                error is not None
-                or reply.want_value
-                or reply.rank not in self._pulls_released_now(chunk)
-            ):
-                self._finish_push(chunk, reply, error)
-            self._release_pulls(chunk)
+            self._pushes_done(chunk, [reply], error)
 
     async def _apply(self, chunk: ChunkState, grad: Any) -> None:
         assert chunk.value is not None
@@ -623,31 +616,47 @@ class ShardServer:
     def _on_pull(self, identity: bytes, rank: int, msg: Message) -> None:
         chunk = self._ready_chunk(rank, msg)
         reply = PendingReply(identity, msg.rid, rank, True)
-        if chunk.pending[rank] > 0:
-            chunk.pull_waiters.append(reply)
-        else:
+        if chunk.applied[rank] >= msg["af"]:
             self._send_value(reply, chunk)
+        else:
+            chunk.pull_waiters.append(PullWaiter(reply, msg["af"]))
 
-    @staticmethod
-    def _pulls_released_now(chunk: ChunkState) -> set[int]:
-        """Ranks with a pull of this chunk that :meth:`_release_pulls` will answer now.
+    def _pushes_done(
+        self, chunk: ChunkState, replies: list[PendingReply], error: BaseException | None
+    ) -> None:
+        """Answer finished pushes and release the pulls that were waiting for them.
 
-        A value reply acknowledges the same worker's earlier pushes of the chunk (the server
-        only sends it once they are applied), so their separate acks are left out: one message
-        less per chunk and step. Errors are never left out; they go first, on the same
-        connection, so the worker sees a failed push before the pull's reply.
+        A successful plain push whose worker has a pull waiting that this push completes gets
+        no ack of its own: the pull's value reply lists it in ``ak`` (one message less per
+        chunk and step). Errors always get their own reply.
         """
-        return {r.rank for r in chunk.pull_waiters if chunk.pending[r.rank] == 0}
+        for reply in replies:
+            chunk.applied[reply.rank] += 1
+        for reply in replies:
+            if error is None and not reply.want_value:
+                waiter = next(
+                    (
+                        w
+                        for w in chunk.pull_waiters
+                        if w.reply.rank == reply.rank and w.after <= chunk.applied[reply.rank]
+                    ),
+                    None,
+                )
+                if waiter is not None:
+                    waiter.acks.append(reply.rid)
+                    continue
+            self._finish_push(chunk, reply, error)
+        self._release_pulls(chunk)
 
     def _release_pulls(self, chunk: ChunkState) -> None:
         if not chunk.pull_waiters:
             return
         still_waiting = []
-        for reply in chunk.pull_waiters:
-            if chunk.pending[reply.rank] > 0:
-                still_waiting.append(reply)
+        for waiter in chunk.pull_waiters:
+            if chunk.applied[waiter.reply.rank] >= waiter.after:
+                self._send_value(waiter.reply, chunk, waiter.acks)
             else:
-                self._send_value(reply, chunk)
+                still_waiting.append(waiter)
         chunk.pull_waiters = still_waiting
 
     # collectives -------------------------------------------------------------------------------

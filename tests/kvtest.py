@@ -201,7 +201,8 @@ class RawClient:
         self._rid = 1000
 
     def hello(self, rank: int = 0, num_workers: int = 1, mode: str = "dist_sync", **extra: Any):
-        fields = {"r": rank, "nw": num_workers, "ns": 1, "si": 0, "m": mode, **extra}
+        """Say HELLO as one lane (data by default) of a worker; both lanes' requests work."""
+        fields = {"r": rank, "nw": num_workers, "ns": 1, "si": 0, "m": mode, "ln": 0, **extra}
         return self.request("HELLO", fields)
 
     def send(self, op: str, fields: dict | None = None, payloads: Sequence[Any] = ()) -> int:

@@ -6,9 +6,10 @@ holds this worker's residual for that chunk) plus the chunk's last push in fligh
 
 Ordering: ``push`` encodes each chunk on the caller's thread and queues it; it returns when the
 caller's value is no longer needed, without waiting for the network. A chunk is re-encoded only
-after its previous push was answered (its buffers are reused). ``pull`` of a key is answered by
-each server only after this worker's earlier pushes of that key were applied (in ``dist_sync``:
-after the whole round), so ``push`` followed by ``pull`` returns the round's result. Errors of a
+after its previous push was answered (its buffers are reused). A pull request carries how many
+pushes of the chunk this worker sent so far, and each server answers it only after that many
+were applied (in ``dist_sync``: after the whole round), so ``push`` followed by ``pull`` returns
+the round's result even though pulls travel on a connection of their own. Errors of a
 push are raised by the next call that waits on it: a later push or pull of the same key,
 ``barrier`` or ``close``.
 """
@@ -42,7 +43,7 @@ from kvstore.errors import (
 )
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
 from kvstore.topology import Chunk, Key, partition_elems_for, plan_chunks
-from kvstore.wire import Op, buffer_nbytes
+from kvstore.wire import LANE_CONTROL, LANE_DATA, Op, buffer_nbytes
 from kvstore.worker import values as vals
 from kvstore.worker.transport import Request, Transport, wait_all
 
@@ -97,6 +98,7 @@ class _KeyState:
     encoders: list[Encoder | None] = field(default_factory=list)
     encoder_device: Any = None
     last_push: list[Request | None] = field(default_factory=list)
+    pushes_sent: list[int] = field(default_factory=list)  # per chunk; a pull follows them all
 
     @property
     def numel(self) -> int:
@@ -231,7 +233,9 @@ class KVStore:
         self._on_close = on_close
         tune_malloc()  # ZeroMQ's receive buffers get reused instead of page-faulted back
         identity = f"w{cluster.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
-        self._transport = Transport(cluster.servers, identity, context)
+        self._transport = Transport(
+            cluster.servers, identity, context, window_bytes=2 * self._options.partition_bytes
+        )
         try:
             self._handshake()
         except BaseException:
@@ -252,10 +256,13 @@ class KVStore:
                     "ns": self.num_servers,
                     "si": server,
                     "m": self.type,
+                    "ln": lane,
                 },
                 what=f"handshake with server {server} ({address})",
+                lane=lane,
             )
             for server, address in enumerate(self._cluster.servers)
+            for lane in (LANE_DATA, LANE_CONTROL)
         ]
         try:
             wait_all(requests, timeout)
@@ -291,7 +298,9 @@ class KVStore:
             error = exc
         try:
             byes = [
-                self._transport.submit(s, Op.BYE, what="goodbye") for s in range(self.num_servers)
+                self._transport.submit(s, Op.BYE, what="goodbye", lane=lane)
+                for s in range(self.num_servers)
+                for lane in (LANE_DATA, LANE_CONTROL)
             ]
             wait_all(byes, timeout=5.0)
         except KVStoreError as exc:
@@ -429,6 +438,7 @@ class KVStore:
             for state, _ in states:
                 state.encoders = [None] * len(state.chunks)
                 state.last_push = [None] * len(state.chunks)
+                state.pushes_sent = [0] * len(state.chunks)
                 self._keys[state.key] = state
 
     # push / pull -------------------------------------------------------------------------------
@@ -503,6 +513,7 @@ class KVStore:
                 if request.failed():  # refused before sending (the server is gone)
                     request.wait()
                 state.last_push[chunk.index] = request
+                state.pushes_sent[chunk.index] += 1
                 requests.append(request)
                 self._stats.pushed_bytes += request.nbytes
                 self._stats.pushed_raw_bytes += chunk.numel * np.dtype(state.dtype).itemsize
@@ -562,12 +573,10 @@ class KVStore:
                 self._transport.submit(
                     chunk.server,
                     Op.PULL,
-                    {"k": state.key, "c": chunk.index},
+                    {"k": state.key, "c": chunk.index, "af": state.pushes_sent[chunk.index]},
                     priority=priority,
-                    order_key=(state.key, chunk.index),
                     what=f"pull of key {state.key!r} chunk {chunk.index}",
                     on_done=landing.callback(chunk),
-                    acknowledges=state.last_push[chunk.index],
                 )
                 for chunk in state.chunks
             ]

@@ -1,10 +1,13 @@
-"""The order in which queued messages leave a worker: by priority, never reordered within a key.
+"""The order in which one connection's queued messages leave a worker.
 
-Higher ``priority`` goes first; equal priorities go in submission order. A message with an
-``order_key`` never leaves before an earlier message with the same key, whatever their
-priorities: it is queued with the lower of its own priority and the lowest priority still queued
-for that key. That keeps a pull behind the same key's push (the server relies on seeing a
-worker's push before its pull) while other keys may overtake both.
+Express messages first: those with little or no payload (pull requests, barriers, pushes of tiny
+keys), so that a pull request never waits behind megabytes of pushes of other chunks. Then
+higher ``priority`` first, and submission order among equals.
+
+A message with an ``order_key`` never leaves before an earlier message with the same key: it
+waits, outside the ordering, until that one has left, and then competes with its own rank. So a
+pull request leaves right after its chunk's push (the server relies on seeing a worker's push
+before its pull), ahead of the other chunks' pushes still queued.
 
 Not thread-safe by itself: the transport holds its lock around every call.
 """
@@ -16,37 +19,59 @@ import itertools
 from collections.abc import Hashable
 from typing import Any
 
+_EXPRESS = 1 << 40  # above any priority a user passes
+
+
+class _Entry:
+    __slots__ = ("rank", "seq", "key", "item", "follower")
+
+    def __init__(self, rank: int, seq: int, key: Hashable, item: Any) -> None:
+        self.rank = rank
+        self.seq = seq
+        self.key = key
+        self.item = item
+        self.follower: _Entry | None = None
+
+    def __lt__(self, other: _Entry) -> bool:
+        return (-self.rank, self.seq) < (-other.rank, other.seq)
+
 
 class SendQueue:
     """A priority queue of outgoing messages with per-key FIFO order."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Hashable, Any]] = []
+        self._ready: list[_Entry] = []  # a heap of entries with no earlier entry of their key
+        self._last: dict[Hashable, _Entry] = {}  # the latest queued entry of each key
         self._seq = itertools.count()
-        self._queued: dict[Hashable, list[int]] = {}  # order_key -> [count, lowest priority]
+        self._size = 0
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return self._size
 
-    def push(self, item: Any, priority: int = 0, order_key: Hashable = None) -> None:
-        """Queue ``item``."""
-        effective = priority
+    def push(
+        self, item: Any, priority: int = 0, order_key: Hashable = None, express: bool = False
+    ) -> None:
+        """Queue ``item``; ``express`` items go before all others (order keys permitting)."""
+        entry = _Entry(priority + (_EXPRESS if express else 0), next(self._seq), order_key, item)
+        self._size += 1
         if order_key is not None:
-            entry = self._queued.get(order_key)
-            if entry is None:
-                self._queued[order_key] = [1, priority]
-            else:
-                effective = min(priority, entry[1])
-                entry[0] += 1
-                entry[1] = effective
-        heapq.heappush(self._heap, (-effective, next(self._seq), order_key, item))
+            previous = self._last.get(order_key)
+            self._last[order_key] = entry
+            if previous is not None:
+                previous.follower = entry  # becomes ready when `previous` leaves
+                return
+        heapq.heappush(self._ready, entry)
+
+    def peek(self) -> Any:
+        """The next item, without removing it; raises IndexError when empty."""
+        return self._ready[0].item
 
     def pop(self) -> Any:
-        """The next item to send; raises IndexError when empty."""
-        _, _, order_key, item = heapq.heappop(self._heap)
-        if order_key is not None:
-            entry = self._queued[order_key]
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self._queued[order_key]
-        return item
+        """Remove and return the next item; raises IndexError when empty."""
+        entry = heapq.heappop(self._ready)
+        self._size -= 1
+        if entry.follower is not None:
+            heapq.heappush(self._ready, entry.follower)
+        elif entry.key is not None and self._last.get(entry.key) is entry:
+            del self._last[entry.key]
+        return entry.item

@@ -1,10 +1,19 @@
-"""The worker's transport ("van"): one DEALER socket per server, driven by one I/O thread.
+"""The worker's transport ("van"): two DEALER sockets per server, driven by one I/O thread.
 
 Callers (any thread) :meth:`Transport.submit` a request and get a :class:`Request` to wait on.
-The I/O thread owns the sockets: it sends queued requests (highest ``priority`` first, and in
-submission order among equal priorities; messages for the same ``order_key`` never overtake one
-another, so a pull never passes the same key's push), receives replies, validates them with
+The I/O thread owns the sockets: it sends queued requests, receives replies, validates them with
 :func:`kvstore.wire.decode` and completes the matching request by id.
+
+Two lanes per server (see :mod:`kvstore.wire`): pushes and inits go on the *data* connection,
+pulls and the other small requests on the *control* connection, so a pull request never waits
+behind megabytes of pushes in one TCP stream, and a full-duplex link carries pushes and pull
+replies at the same time instead of one after the other.
+
+Flow control: per server, at most ``window_bytes`` of data-lane payload are handed to ZeroMQ and
+not yet written to the connection (ZeroMQ's message trackers say when they were); the rest waits
+in the transport's own queue (:class:`~kvstore.worker.send_queue.SendQueue`), where higher
+``priority`` goes first (and small messages before bulk ones), so priorities decide what goes
+on the wire next rather than what was submitted first.
 
 Payload buffers are sent without copies. The caller keeps them alive and unchanged until the
 request completes (the encoders do: a chunk is not re-encoded before its previous push was
@@ -17,6 +26,7 @@ dead server never leaves a worker hanging.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -36,8 +46,13 @@ from kvstore.errors import (
     ProtocolError,
     error_from_code,
 )
-from kvstore.wire import Message, Op
+from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op
 from kvstore.worker.send_queue import SendQueue
+
+EXPRESS_BYTES = 64 * 1024
+"""Messages with at most this much payload skip ahead of bulk ones and are not windowed."""
+
+DEFAULT_WINDOW_BYTES = 8 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +74,8 @@ class Request:
         "op",
         "what",
         "nbytes",
-        "acknowledges",
-        "_event",
+        "_done",
+        "_gate",
         "_reply",
         "_error",
         "_done_cb",
@@ -72,21 +87,26 @@ class Request:
         self.op = op
         self.what = what
         self.nbytes = nbytes
-        self.acknowledges: Request | None = None
-        self._event = threading.Event()
+        # Completion is a flag plus a lock held until then: cheaper than an Event per request.
+        self._done = False
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._reply: Message | None = None
         self._error: BaseException | None = None
         self._done_cb: Callable[[Request], None] | None = None
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def failed(self) -> bool:
-        return self._event.is_set() and self._error is not None
+        return self._done and self._error is not None
 
     def wait(self, timeout: float | None = None) -> Message:
         """The reply message; raises the server's error, or on timeout/connection loss."""
-        if not self._event.wait(timeout):
+        if not self._done:
+            if self._gate.acquire(timeout=-1 if timeout is None else timeout):
+                self._gate.release()  # let other waiters through too
+        if not self._done:
             raise KVStoreTimeoutError(
                 f"{self.what} to server {self.server} got no reply within {timeout} s "
                 f"(KVSTORE_TIMEOUT); is another worker stuck or dead?"
@@ -97,16 +117,17 @@ class Request:
         return self._reply
 
     def _complete(self, reply: Message | None, error: BaseException | None) -> None:
-        if self._event.is_set():
+        if self._done:
             return
         self._reply, self._error = reply, error
         if self._done_cb is not None:
-            # Before the event: whoever waits on this request sees the callback's work done.
+            # Before waking anyone: whoever waits on this request sees the callback's work done.
             try:
                 self._done_cb(self)
             except Exception:
                 logger.exception("completion callback of %s failed", self.what)
-        self._event.set()
+        self._done = True
+        self._gate.release()
 
 
 def wait_all(requests: Sequence[Request], timeout: float | None) -> list[Message]:
@@ -127,7 +148,22 @@ def wait_all(requests: Sequence[Request], timeout: float | None) -> list[Message
 
 
 _ACKNOWLEDGED = Message(op=Op.REPLY, rid=0, fields={}, payloads=[])
-"""What a push request holds when a later pull's reply acknowledged it."""
+"""What a push request holds when a later pull's reply acknowledged it (``ak``)."""
+
+_DATA_OPS = frozenset({Op.PUSH, Op.PUSHPULL, Op.INIT})
+
+
+class _Lane:
+    """One connection to one server: its socket, send queue and data in flight."""
+
+    def __init__(self, server: int, lane: int, sock: zmq.Socket, windowed: bool) -> None:
+        self.server = server
+        self.lane = lane
+        self.sock = sock
+        self.windowed = windowed
+        self.queue = SendQueue()  # of (frames, request, bulk bytes)
+        self.in_flight: collections.deque[tuple[Any, int]] = collections.deque()
+        self.in_flight_bytes = 0
 
 
 class Transport:
@@ -135,41 +171,55 @@ class Transport:
 
     Args:
         servers: server addresses in rank order.
-        identity: this worker's routing id (unique per worker process).
+        identity: this worker's routing id (unique per worker process); each lane's socket
+            uses it with a suffix.
         context: a ZeroMQ context to use (``local`` mode shares one with its in-process
             server); by default the transport makes and terminates its own.
+        window_bytes: data-lane payload bytes per server that may be handed to ZeroMQ and not
+            yet written to the connection.
     """
 
     def __init__(
-        self, servers: Sequence[str], identity: bytes, context: zmq.Context | None = None
+        self,
+        servers: Sequence[str],
+        identity: bytes,
+        context: zmq.Context | None = None,
+        *,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
     ) -> None:
         self.servers = tuple(servers)
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._queue = SendQueue()  # of (server, frames, request)
+        self._window = window_bytes
         self._pending: dict[int, Request] = {}
         self._lost: dict[int, str] = {}
-        self._connected: set[int] = set()
+        self._connected: set[tuple[int, int]] = set()
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_pending = False
-        self._sockets: list[zmq.Socket] = []
-        self._monitors: dict[zmq.Socket, int] = {}
+        self._lanes: list[tuple[_Lane, _Lane]] = []
+        self._by_socket: dict[zmq.Socket, _Lane] = {}
+        self._monitors: dict[zmq.Socket, _Lane] = {}
         for rank, address in enumerate(self.servers):
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.ROUTING_ID, identity)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            if address.startswith("tcp://"):
-                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-                self._monitors[monitor] = rank
-            sock.connect(address)
-            self._sockets.append(sock)
+            pair = []
+            for lane, suffix in ((LANE_DATA, b"/d"), (LANE_CONTROL, b"/c")):
+                sock = self._context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.ROUTING_ID, identity + suffix)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)
+                sock.setsockopt(zmq.LINGER, 0)
+                entry = _Lane(rank, lane, sock, windowed=lane == LANE_DATA)
+                if address.startswith("tcp://"):
+                    events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                    self._monitors[sock.get_monitor_socket(events)] = entry
+                sock.connect(address)
+                self._by_socket[sock] = entry
+                pair.append(entry)
+            self._lanes.append((pair[0], pair[1]))
         self._thread = threading.Thread(target=self._run, name="kvstore-io", daemon=True)
         self._thread.start()
 
@@ -186,7 +236,7 @@ class Transport:
         order_key: Any = None,
         what: str = "",
         on_done: Callable[[Request], None] | None = None,
-        acknowledges: Request | None = None,
+        lane: int | None = None,
     ) -> Request:
         """Queue a request to ``server`` and return it; thread-safe, never blocks on I/O.
 
@@ -196,27 +246,35 @@ class Transport:
             fields: header fields (see :data:`kvstore.wire.SCHEMA`).
             payloads: buffers to send without copying.
             priority: higher is sent earlier.
-            order_key: requests with the same key are sent in submission order whatever their
-                priorities.
+            order_key: requests with the same key on one lane are sent in submission order
+                whatever their priorities.
             what: description for error messages.
             on_done: called (on the I/O thread, or at once if the request fails early) when
-                the request completes.
-            acknowledges: an earlier request that this one's successful reply also completes
-                (a pull's value reply acknowledges the same chunk's push; see the server).
+                the request completes, before anyone waiting on it wakes.
+            lane: ``LANE_DATA`` or ``LANE_CONTROL``; by default pushes and inits take the data
+                lane and everything else the control lane.
         """
         rid = next(self._ids)
         frames = wire.encode(op, rid, fields, payloads)
-        nbytes = sum(wire.buffer_nbytes(f) for f in frames)
+        payload_bytes = sum(wire.buffer_nbytes(p) for p in payloads)
+        nbytes = payload_bytes + wire.buffer_nbytes(frames[0])
         request = Request(rid, server, op, what or op.name, nbytes)
         request._done_cb = on_done
-        request.acknowledges = acknowledges
+        if lane is None:
+            lane = LANE_DATA if op in _DATA_OPS else LANE_CONTROL
         with self._lock:
             if self._closing:
                 raise KVStoreError("the store is closed")
             lost = self._lost.get(server)
             if lost is None:
                 self._pending[rid] = request
-                self._queue.push((server, frames, request), priority, order_key)
+                express = payload_bytes <= EXPRESS_BYTES
+                self._lanes[server][lane].queue.push(
+                    (frames, request, 0 if express else payload_bytes),
+                    priority,
+                    order_key,
+                    express=express,
+                )
                 self._wake()
         if lost is not None:
             request._complete(None, ConnectionLostError(f"{request.what}: {lost}"))
@@ -240,7 +298,7 @@ class Transport:
         self._thread.join()
         for monitor in self._monitors:
             monitor.close(0)
-        for sock in self._sockets:
+        for sock in self._by_socket:
             sock.close(0)
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -255,18 +313,19 @@ class Transport:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        for sock in self._sockets:
+        for sock in self._by_socket:
             poller.register(sock, zmq.POLLIN)
         for monitor in self._monitors:
             poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while True:
-                self._flush()
+                blocked = self._flush()
                 with self._lock:
                     if self._closing:
                         return
-                events = dict(poller.poll(1000))
+                # While a window is full, look again soon: trackers have no file descriptor.
+                events = dict(poller.poll(1 if blocked else 1000))
                 if self._wake_r in events:
                     # Drain first, then clear the flag: clearing first could swallow the byte of
                     # a submit made in between and leave the flag set with an empty pipe.
@@ -277,35 +336,55 @@ class Transport:
                         pass
                     with self._lock:
                         self._wake_pending = False
-                for sock in self._sockets:
+                for sock in self._by_socket:
                     if sock in events:
                         self._receive_all(sock)
-                for monitor, rank in self._monitors.items():
+                for monitor, lane in self._monitors.items():
                     if monitor in events:
-                        self._on_monitor(monitor, rank)
+                        self._on_monitor(monitor, lane)
         except Exception:
             logger.exception("the kvstore I/O thread failed")
             self._fail_all(KVStoreError("the kvstore I/O thread failed; see the log"))
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Hand queued messages to ZeroMQ within the windows; True if a window is full."""
+        blocked = False
+        for pair in self._lanes:
+            for lane in pair:
+                blocked |= self._flush_lane(lane)
+        return blocked
+
+    def _flush_lane(self, lane: _Lane) -> bool:
+        in_flight = lane.in_flight
+        while in_flight and in_flight[0][0].done:  # one connection sends in order
+            lane.in_flight_bytes -= in_flight.popleft()[1]
         while True:
             with self._lock:
-                if not self._queue:
-                    return
-                server, frames, request = self._queue.pop()
-                lost = self._lost.get(server)
+                if not lane.queue:
+                    return False
+                frames, request, bulk = lane.queue.peek()
+                used = lane.in_flight_bytes
+                if lane.windowed and bulk and used and used + bulk > self._window:
+                    return True
+                lane.queue.pop()
+                lost = self._lost.get(lane.server)
             if lost is not None:
                 self._fail(request, ConnectionLostError(f"{request.what}: {lost}"))
                 continue
+            track = lane.windowed and bulk > 0
             try:
-                self._sockets[server].send_multipart(frames, copy=False)
+                tracker = lane.sock.send_multipart(frames, copy=False, track=track)
             except zmq.ZMQError as exc:
                 self._fail(request, ConnectionLostError(f"{request.what}: send failed: {exc}"))
+                continue
+            if track:
+                in_flight.append((tracker, bulk))
+                lane.in_flight_bytes += bulk
 
     def _receive_all(self, sock: zmq.Socket) -> None:
         while True:
             try:
-                frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                frames = wire.recv_frames(sock)
             except zmq.Again:
                 return
             try:
@@ -318,16 +397,19 @@ class Transport:
                 if request is not None:
                     request._complete(None, exc)
                 continue
+            acknowledged: list[Request] = []
             with self._lock:
                 request = self._pending.pop(msg.rid, None)
-                implied = request.acknowledges if request is not None else None
-                if implied is not None and msg.op is Op.REPLY:
-                    self._pending.pop(implied.rid, None)
+                if msg.op is Op.REPLY:
+                    for rid in msg.get("ak", ()):
+                        push = self._pending.pop(rid, None)
+                        if push is not None:
+                            acknowledged.append(push)
+            for push in acknowledged:
+                push._complete(_ACKNOWLEDGED, None)
             if request is None:
                 logger.debug("reply to unknown request %d ignored", msg.rid)
                 continue
-            if implied is not None and msg.op is Op.REPLY:
-                implied._complete(_ACKNOWLEDGED, None)
             if msg.op is Op.ERROR:
                 where = f"server {request.server} ({self.servers[request.server]})"
                 error = error_from_code(msg["code"], msg["msg"], where)
@@ -337,15 +419,16 @@ class Transport:
             else:
                 request._complete(None, ProtocolError(f"unexpected {msg.op.name} as a reply"))
 
-    def _on_monitor(self, monitor: zmq.Socket, rank: int) -> None:
+    def _on_monitor(self, monitor: zmq.Socket, lane: _Lane) -> None:
+        rank = lane.server
         while True:
             try:
                 event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_CONNECTED:
-                self._connected.add(rank)
-            elif event["event"] == zmq.EVENT_DISCONNECTED and rank in self._connected:
+                self._connected.add((rank, lane.lane))
+            elif event["event"] == zmq.EVENT_DISCONNECTED and (rank, lane.lane) in self._connected:
                 reason = (
                     f"server {rank} ({self.servers[rank]}) closed the connection "
                     f"(it stopped or died)"

@@ -94,7 +94,7 @@ def test_intermediate_rounds_are_sent_back_and_the_last_one_stored(in_process_se
         for c in (a, b):
             assert np.frombuffer(c.receive().payloads[0], np.float32).tolist() == [3, 3, 3]
         assert np.frombuffer(
-            a.request("PULL", {"k": "m", "c": 0}).payloads[0], np.float32
+            a.request("PULL", {"k": "m", "c": 0, "af": 1}).payloads[0], np.float32
         ).tolist() == [0, 0, 0]
         # round 2 (final): stored and returned as the key's value
         a.send("PUSHPULL", push, [np.full(3, 10, np.float32)])

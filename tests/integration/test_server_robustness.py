@@ -49,15 +49,17 @@ def test_garbage_and_malformed_frames_get_error_replies(client, one_server):
     reply = client.receive()
     assert_error(reply, "bad_message", "protocol version 99")
     assert reply.rid == 5  # the error reaches the request that caused it
-    client.send_frames([msgpack.packb({"v": 1, "op": 4, "id": 6, "k": 1, "c": 0, "nb": [10]})])
+    client.send_frames(
+        [msgpack.packb({"v": 2, "op": 4, "id": 6, "k": 1, "c": 0, "af": 0, "nb": [10]})]
+    )
     assert_error(client.receive(), "bad_message", "declares 1 payload frames but 0 arrived")
-    client.send_frames([msgpack.packb({"v": 1, "op": 16, "id": 7, "nb": []})])
+    client.send_frames([msgpack.packb({"v": 2, "op": 16, "id": 7, "nb": []})])
     assert_error(client.receive(), "bad_message", "REPLY is not a request")
     assert_server_still_serves(one_server)
 
 
 def test_requests_before_hello_are_refused(client, one_server):
-    assert_error(client.request("PULL", {"k": 1, "c": 0}), "not_connected", "HELLO")
+    assert_error(client.request("PULL", {"k": 1, "c": 0, "af": 0}), "not_connected", "HELLO")
     assert_server_still_serves(one_server)
 
 
@@ -68,7 +70,7 @@ def test_handshake_mismatches(one_server):
         ({"si": 1}, "wrong_server", "rank order"),
     ]:
         c = RawClient(one_server)
-        base = {"r": 0, "nw": 1, "ns": 1, "si": 0, "m": "dist_sync"}
+        base = {"r": 0, "nw": 1, "ns": 1, "si": 0, "m": "dist_sync", "ln": 0}
         assert_error(c.request("HELLO", {**base, **fields}), code, text)
         c.close()
     assert_server_still_serves(one_server)
@@ -96,7 +98,7 @@ def test_state_checks_before_any_change(client, one_server):
     assert_error(client.request("PUSH", {"k": "w", "c": 0, "n": 4}, [b"\0" * 15]), "codec", "bytes")
     assert_error(client.request("PUSH", {"k": "w", "c": 0, "n": 3}, [b"\0" * 12]), "bad_value")
     assert_error(client.request("SET_OPTIMIZER", {"opt": "sgd", "hp": {"lr": -1}}), "optimizer")
-    reply = client.request("PULL", {"k": "w", "c": 0})
+    reply = client.request("PULL", {"k": "w", "c": 0, "af": 0})
     assert np.frombuffer(reply.payloads[0], np.float32).tolist() == [0, 1, 2, 3]  # unchanged
 
 
@@ -124,17 +126,18 @@ def test_a_second_push_in_a_round_waits_for_the_next_round(servers_factory):
         push = {"k": "w", "c": 0, "n": 4}
         a.send("PUSH", push, [np.full(4, 1, np.float32)])  # round 1
         a.send("PUSH", push, [np.full(4, 10, np.float32)])  # round 2: deferred
-        pull_rid = a.send("PULL", {"k": "w", "c": 0})  # waits for both of a's pushes
+        pull_rid = a.send("PULL", {"k": "w", "c": 0, "af": 2})  # follows both of a's pushes
         b.send("PUSH", push, [np.full(4, 100, np.float32)])  # completes round 1
         assert a.receive().op is Op.REPLY  # round 1 ack
         assert b.receive().op is Op.REPLY
-        b_pull = b.request("PULL", {"k": "w", "c": 0})
+        b_pull = b.request("PULL", {"k": "w", "c": 0, "af": 1})
         assert np.frombuffer(b_pull.payloads[0], np.float32).tolist() == [101] * 4
         b.send("PUSH", push, [np.full(4, 1000, np.float32)])  # completes round 2
-        # a's pull is answered in the round that applied a's second push: that value reply is
-        # the push's acknowledgement too (no separate ack); b pulled nothing and gets its ack.
+        # a's pull is answered in the round that applied a's second push: that value reply
+        # acknowledges the push (it is listed in "ak", no separate ack); b gets its own ack.
         a_pull = a.receive()
         assert a_pull.rid == pull_rid
+        assert a_pull["ak"] == [pull_rid - 1]
         assert np.frombuffer(a_pull.payloads[0], np.float32).tolist() == [1010] * 4
         assert b.receive().op is Op.REPLY
         assert not a.socket.poll(200)  # nothing else for a

@@ -9,6 +9,7 @@ import pytest
 
 from kvstore.topology import (
     WORD_ELEMS,
+    chunk_sizes,
     plan_chunks,
     server_for_key,
     split_bounds,
@@ -78,10 +79,20 @@ def test_split_bounds_are_contiguous_balanced_and_16_aligned(numel, servers):
 
 def test_key_of_1_5m_elements_over_two_servers():
     chunks = plan_chunks("big", 1_500_000, 2, bigarray_bound=MB, partition_elems=2**30)
-    assert [(c.server, c.start, c.stop) for c in chunks] == [
-        (0, 0, 750_000),
-        (1, 750_000, 1_500_000),
-    ]
+    slices = {}
+    for c in chunks:
+        lo, hi = slices.get(c.server, (c.start, c.stop))
+        slices[c.server] = (min(lo, c.start), max(hi, c.stop))
+    assert slices == {0: (0, 750_000), 1: (750_000, 1_500_000)}
+
+
+def test_chunk_sizes_ramp_up_like_slow_start():
+    p = 1 << 20
+    assert chunk_sizes(5 * p, p) == [p // 4, p // 2, p, p, p, p, p // 4]
+    assert chunk_sizes(100, p) == [100]
+    assert chunk_sizes(0, p) == [0]
+    assert chunk_sizes(40, 16) == [16, 16, 8]
+    assert all(s % 16 == 0 for s in chunk_sizes(10_000_000, 1_048_576)[:-1])
 
 
 def test_keys_below_the_bound_stay_whole():

@@ -1,0 +1,363 @@
+"""Push+pull on a shaped-link cluster (network namespaces), next to its wire floor, and gloo.
+
+Every host is a network namespace with a full-duplex link shaped to ``--rate`` Mbit/s (default
+1000) to a bridge (:mod:`netns`). Servers run on hosts of their own (``separate``) or on the
+workers' hosts (``colocated``: server i on worker host i). Each worker runs ``dist_sync`` steps
+of ``push`` of every key (backward order: last layer first) and ``pull`` of every key, with SGD
+(momentum 0.9) on the servers, uncompressed (``none``) or with 2-bit pushes (``2bit``).
+
+Workloads: ``key10m``, one 10M-element fp32 key; ``resnet50``, the 161 parameter tensors of
+ResNet-50 (25.6M parameters, ``shared/data/resnet50_param_shapes.json``).
+
+The wire floor of a configuration is the busiest link direction's payload bytes per step over
+the link rate, computed from the real placement (the same topology the workers use): a worker's
+push crosses its uplink and the server's downlink, the pull comes back the other way, and
+traffic between processes of one host crosses no link. Reported: seconds per step (median over
+steps and workers), the floor, and their ratio.
+
+Baselines on the same shaped hosts: ``torch.distributed`` gloo allreduce of the same tensors in
+fp32 and fp16, bucketed like DDP (25 MB buckets, backward order), with its ring floor
+``2 (N-1)/N x bytes / rate``.
+
+    python benchmarks/bench_cluster.py --preset smoke
+    python benchmarks/bench_cluster.py --preset full --out results/cluster.jsonl
+
+Needs root for ``ip netns``; without it, prints one "skipped" line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+from common import emit, machine  # noqa: E402
+
+REPO = HERE.parent.parent
+RESNET_SHAPES = REPO.parent / "shared" / "data" / "resnet50_param_shapes.json"
+BUCKET_BYTES = 25 * 1024 * 1024
+
+PRESETS = {
+    "smoke": {
+        "workloads": ["key1m"],
+        "codecs": ["none", "2bit"],
+        "workers": [2],
+        "servers": [1],
+        "placements": ["separate"],
+        "baselines": [],
+        "steps": 2,
+        "rate": 1000.0,
+    },
+    "full": {
+        "workloads": ["key10m", "resnet50"],
+        "codecs": ["none", "2bit"],
+        "workers": [1, 2, 4, 8],
+        "servers": [1, 2, 4],
+        "placements": ["separate", "colocated"],
+        "baselines": ["gloo-fp32", "gloo-fp16"],
+        "steps": 5,
+        "rate": 1000.0,
+    },
+}
+
+
+# workloads -----------------------------------------------------------------------------------
+
+
+def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, shape) of every tensor, in forward order."""
+    if name == "key10m":
+        return [("w", (10_000_000,))]
+    if name == "key1m":
+        return [("w", (1_000_000,))]
+    if name == "resnet50":
+        data = json.loads(RESNET_SHAPES.read_text())
+        return [(t["name"], tuple(t["shape"])) for t in data["tensors"]]
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def floor_seconds(
+    keys: list[tuple[str, tuple[int, ...]]],
+    codec: str,
+    num_workers: int,
+    server_hosts: list[int],
+    worker_hosts: list[int],
+    rate_bytes: float,
+) -> tuple[float, float]:
+    """(floor seconds, bytes of the busiest link direction) of one push+pull step."""
+    from kvstore.codecs import get_codec
+    from kvstore.config import DEFAULT_BIGARRAY_BOUND, DEFAULT_PARTITION_BYTES
+    from kvstore.topology import partition_elems_for, plan_chunks
+
+    push_codec = get_codec(codec) if codec == "none" else get_codec(codec, threshold=0.5)
+    up: dict[int, float] = {}
+    down: dict[int, float] = {}
+    for key, shape in keys:
+        numel = math.prod(shape)
+        chunks = plan_chunks(
+            key,
+            numel,
+            len(server_hosts),
+            bigarray_bound=DEFAULT_BIGARRAY_BOUND,
+            partition_elems=partition_elems_for(DEFAULT_PARTITION_BYTES, 4),
+        )
+        for chunk in chunks:
+            push = sum(push_codec.payload_nbytes(chunk.numel, "float32"))
+            pull = 4 * chunk.numel
+            server_host = server_hosts[chunk.server]
+            for worker in range(num_workers):
+                host = worker_hosts[worker]
+                if host == server_host:
+                    continue  # same host: no link crossed
+                up[host] = up.get(host, 0) + push
+                down[server_host] = down.get(server_host, 0) + push
+                up[server_host] = up.get(server_host, 0) + pull
+                down[host] = down.get(host, 0) + pull
+    busiest = max([*up.values(), *down.values(), 0.0])
+    return busiest / rate_bytes, busiest
+
+
+# child roles ---------------------------------------------------------------------------------
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    import kvstore
+
+    keys = workload(args.workload)
+    kv = kvstore.create(
+        "dist_sync", servers=args.addresses.split(","), rank=args.rank, num_workers=args.num_workers
+    )
+    if args.codec != "none":
+        kv.set_gradient_compression({"type": args.codec, "threshold": 0.5})
+    kv.set_optimizer("sgd", learning_rate=0.01, momentum=0.9, rescale_grad=1 / args.num_workers)
+    rng = np.random.default_rng(args.rank)
+    names = [k for k, _ in keys]
+    params = [np.zeros(shape, np.float32) for _, shape in keys]
+    grads = [rng.standard_normal(shape).astype(np.float32) for _, shape in keys]
+    kv.init(names, params)
+    backward_names, backward_grads = names[::-1], grads[::-1]
+    times = []
+    for step in range(args.steps + 1):  # the first step warms up
+        kv.barrier()
+        start = time.perf_counter()
+        kv.push(backward_names, backward_grads)
+        kv.pull(names, out=params)
+        if step:
+            times.append(time.perf_counter() - start)
+    kv.barrier()
+    kv.close()
+    print(json.dumps({"times": times}), flush=True)
+
+
+def run_gloo(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    keys = workload(args.workload)
+    dtype = torch.float16 if args.codec == "gloo-fp16" else torch.float32
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.num_workers
+    )
+    grads = [torch.randn(math.prod(shape)).to(dtype) for _, shape in keys][::-1]
+    buckets, current, size = [], [], 0
+    for grad in grads:  # DDP-style buckets of about 25 MB, filled in backward order
+        current.append(grad)
+        size += grad.numel() * grad.element_size()
+        if size >= BUCKET_BYTES:
+            buckets.append(torch.cat(current))
+            current, size = [], 0
+    if current:
+        buckets.append(torch.cat(current))
+    times = []
+    for step in range(args.steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.all_reduce(bucket, async_op=True) for bucket in buckets]
+        for work in works:
+            work.wait()
+        if step:
+            times.append(time.perf_counter() - start)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps({"times": times}), flush=True)
+
+
+# orchestration -------------------------------------------------------------------------------
+
+
+def _collect(processes: list[subprocess.Popen], what: str, timeout: float) -> list[float]:
+    times: list[float] = []
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        if process.returncode != 0:
+            raise RuntimeError(f"{what} exited with {process.returncode}: {err[-2000:]}")
+        times += json.loads(out.strip().splitlines()[-1])["times"]
+    return times
+
+
+def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
+    from kvstore.config import DEFAULT_PARTITION_BYTES  # noqa: F401  (documented default)
+
+    if placement == "separate":
+        server_hosts, worker_hosts = list(range(s)), list(range(s, s + n))
+    else:
+        server_hosts, worker_hosts = [i % n for i in range(s)], list(range(n))
+    py = sys.executable
+    servers = []
+    for rank, host in enumerate(server_hosts):
+        argv = [py, "-m", "kvstore.server", "--host", cluster.hosts[host].address, "--port", "0",
+                "--server-rank", str(rank), "--num-servers", str(s), "--num-workers", str(n),
+                "--threads", "2"]  # fmt: skip
+        env = {**os.environ, "KVSTORE_LOG_LEVEL": "WARNING"}
+        servers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, text=True, env=env))
+    addresses = []
+    for process in servers:
+        line = process.stdout.readline()
+        if not line.startswith("KVSTORE_READY"):
+            raise RuntimeError(f"a server did not start: {line!r}")
+        addresses.append(line.split()[1])
+    workers = []
+    for rank, host in enumerate(worker_hosts):
+        argv = [py, str(HERE), "--role", "worker", "--addresses", ",".join(addresses),
+                "--rank", str(rank), "--num-workers", str(n), "--workload", workload_name,
+                "--codec", codec, "--steps", str(args.steps)]  # fmt: skip
+        workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True))  # fmt: skip
+    times = _collect(workers, f"{codec} worker", args.timeout)
+    cluster.stop_processes()
+    floor, busiest = floor_seconds(
+        workload(workload_name), codec, n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
+    )
+    seconds = statistics.median(times)
+    return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
+            "over_floor": round(seconds / floor, 3) if floor else None,
+            "busiest_link_bytes": int(busiest)}  # fmt: skip
+
+
+def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
+    py = sys.executable
+    master = f"{cluster.hosts[0].address}:29500"
+    processes = []
+    for rank in range(n):
+        argv = [py, str(HERE), "--role", "gloo", "--master", master, "--rank", str(rank),
+                "--num-workers", str(n), "--workload", workload_name, "--codec", baseline,
+                "--steps", str(args.steps)]  # fmt: skip
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
+        processes.append(cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=env))  # fmt: skip
+    times = _collect(processes, baseline, args.timeout)
+    cluster.stop_processes()
+    itemsize = 2 if baseline.endswith("fp16") else 4
+    total = sum(math.prod(shape) for _, shape in workload(workload_name)) * itemsize
+    floor = 2 * (n - 1) / n * total / cluster.rate_bytes_per_s
+    seconds = statistics.median(times)
+    return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
+            "over_floor": round(seconds / floor, 3) if floor else None}  # fmt: skip
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    from netns import Cluster, available
+
+    why_not = available()
+    if why_not is not None:
+        emit({"bench": "cluster", "skipped": why_not})
+        return 0
+    preset = PRESETS[args.preset]
+    pick = {k: getattr(args, k) or preset[k] for k in preset if k not in ("steps", "rate")}
+    args.steps = args.steps or preset["steps"]
+    rate = args.rate or preset["rate"]
+    started = time.time()
+    configs = []
+    for wl, n, s, placement, codec in itertools.product(
+        pick["workloads"], pick["workers"], pick["servers"], pick["placements"], pick["codecs"]
+    ):
+        if placement == "colocated" and s > n:
+            continue  # more servers than hosts
+        configs.append((wl, n, s, placement, codec))
+    baselines = [(wl, n, b) for wl in pick["workloads"] for n in pick["workers"] if n > 1
+                 for b in pick["baselines"]]  # fmt: skip
+    for wl, n, s, placement, codec in configs:
+        hosts = n + s if placement == "separate" else n
+        record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
+                  "workers": n, "servers": s, "placement": placement, "rate_mbit": rate,
+                  "mtu": args.mtu}  # fmt: skip
+        try:
+            with Cluster(hosts, rate, mtu=args.mtu) as cluster:
+                record.update(run_kvstore(cluster, args, wl, codec, n, s, placement))
+        except Exception as exc:
+            record["error"] = str(exc)[-500:]
+        emit(record)
+        _append(args.out, record)
+    for wl, n, baseline in baselines:
+        record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n,
+                  "rate_mbit": rate, "mtu": args.mtu}  # fmt: skip
+        try:
+            with Cluster(n, rate, mtu=args.mtu) as cluster:
+                record.update(run_baseline(cluster, args, wl, baseline, n))
+        except Exception as exc:
+            record["error"] = str(exc)[-500:]
+        emit(record)
+        _append(args.out, record)
+    summary = {"bench": "cluster", "preset": args.preset, "machine": machine(),
+               "wall_seconds": round(time.time() - started, 1)}  # fmt: skip
+    emit(summary)
+    _append(args.out, summary)
+    return 0
+
+
+def _append(path: str | None, record: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    csv = lambda t: lambda v: [t(x) for x in v.split(",")]  # noqa: E731
+    parser.add_argument("--workloads", type=csv(str))
+    parser.add_argument("--codecs", type=csv(str))
+    parser.add_argument("--workers", type=csv(int))
+    parser.add_argument("--servers", type=csv(int))
+    parser.add_argument("--placements", type=csv(str))
+    parser.add_argument("--baselines", type=csv(str))
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--rate", type=float, help="link rate in Mbit/s")
+    parser.add_argument("--mtu", type=int, default=1500)
+    parser.add_argument("--timeout", type=float, default=900.0, help="per configuration")
+    parser.add_argument("--out", help="also append the JSON lines to this file")
+    # child roles
+    parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--num-workers", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--workload", default="key10m", help=argparse.SUPPRESS)
+    parser.add_argument("--codec", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--master", help=argparse.SUPPRESS)
+    parser.add_argument("--addresses", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "worker":
+        run_worker(args)
+        return 0
+    if args.role == "gloo":
+        run_gloo(args)
+        return 0
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""A cluster of hosts made of Linux network namespaces, joined by a bridge, links shaped by tc.
+
+Each host is a network namespace with one veth link to a bridge in the root namespace. Both
+directions of every link are shaped to the same rate with a token bucket (``tbf``): the host's
+end shapes what it sends (its uplink), the bridge's end shapes what it receives (its downlink),
+so every host has a full-duplex link of ``rate`` like a NIC on a switch. Processes run in a host
+with ``ip netns exec``. Everything is torn down on exit (processes by pid, then namespaces, veths
+and the bridge), also when the benchmark fails.
+
+Needs root (``ip netns``); :func:`available` says whether this machine allows it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, check=check)
+
+
+def available() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    name = f"kvprobe{os.getpid() % 100000}"
+    probe = _run("ip", "netns", "add", name, check=False)
+    if probe.returncode != 0:
+        return f"ip netns add failed: {probe.stderr.strip()}"
+    _run("ip", "netns", "del", name, check=False)
+    return None
+
+
+@dataclass
+class Host:
+    """One namespace: its name, address and the processes started in it."""
+
+    index: int
+    namespace: str
+    address: str
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+
+class Cluster:
+    """``num_hosts`` hosts on one bridge, every link shaped to ``rate_mbit`` in both directions.
+
+    Args:
+        num_hosts: hosts to create.
+        rate_mbit: link rate, megabits per second.
+        mtu: MTU of every link (1500 is standard Ethernet; 9000 jumbo frames).
+        burst_bytes: token bucket depth of the shapers.
+        queue_ms: how much queue (in time at the link rate) the shapers hold before dropping.
+    """
+
+    def __init__(
+        self,
+        num_hosts: int,
+        rate_mbit: float = 1000.0,
+        *,
+        mtu: int = 1500,
+        burst_bytes: int = 256 * 1024,
+        queue_ms: float = 20.0,
+    ) -> None:
+        self.num_hosts = num_hosts
+        self.rate_mbit = rate_mbit
+        self.mtu = mtu
+        self.burst_bytes = burst_bytes
+        self.queue_ms = queue_ms
+        tag = f"{os.getpid() % 100000}"
+        self.bridge = f"kvbr{tag}"
+        self.hosts = [
+            Host(i, f"kvh{tag}-{i}", f"10.77.{i // 250}.{i % 250 + 1}") for i in range(num_hosts)
+        ]
+        self._links: list[str] = []
+        self._up = False
+
+    def interface(self, host: int) -> str:
+        """The name of host ``host``'s network interface (inside its namespace)."""
+        return self._veths(host)[0]
+
+    @property
+    def rate_bytes_per_s(self) -> float:
+        return self.rate_mbit * 1e6 / 8
+
+    def _veths(self, i: int) -> tuple[str, str]:
+        tag = self.bridge[4:]
+        return f"kv{tag}h{i}", f"kv{tag}b{i}"
+
+    def _shape(self, netns: str | None, dev: str) -> None:
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        rate = f"{self.rate_mbit}mbit"
+        latency = f"{self.queue_ms}ms"
+        _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+             "burst", str(self.burst_bytes), "latency", latency)  # fmt: skip
+
+    def __enter__(self) -> Cluster:
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            self._links.append(self.bridge)
+            _run("ip", "link", "set", self.bridge, "mtu", str(self.mtu), "up")
+            for host in self.hosts:
+                inner, outer = self._veths(host.index)
+                _run("ip", "netns", "add", host.namespace)
+                _run("ip", "link", "add", inner, "mtu", str(self.mtu), "type", "veth",
+                     "peer", "name", outer, "mtu", str(self.mtu))  # fmt: skip
+                self._links.append(outer)
+                _run("ip", "link", "set", inner, "netns", host.namespace)
+                _run("ip", "link", "set", outer, "master", self.bridge, "up")
+                ns = ["ip", "-n", host.namespace]
+                _run(*ns, "addr", "add", f"{host.address}/16", "dev", inner)
+                _run(*ns, "link", "set", inner, "up")
+                _run(*ns, "link", "set", "lo", "up")
+                self._shape(host.namespace, inner)  # the host's uplink
+                self._shape(None, outer)  # the host's downlink
+            self._up = True
+            return self
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` inside host ``host``; stopped by :meth:`close` if still running."""
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", self.hosts[host].namespace, *argv],
+            start_new_session=True,
+            **kwargs,
+        )
+        self.hosts[host].processes.append(process)
+        return process
+
+    def stop_processes(self, grace: float = 10.0) -> None:
+        """Stop every process started in the hosts (SIGTERM to its group, then SIGKILL)."""
+        running = [p for h in self.hosts for p in h.processes if p.poll() is None]
+        for process in running:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        for process in running:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+        for host in self.hosts:
+            host.processes.clear()
+
+    def close(self) -> None:
+        """Stop the processes and delete the namespaces, links and bridge (idempotent)."""
+        self.stop_processes()
+        for host in self.hosts:
+            _run("ip", "netns", "del", host.namespace, check=False)
+        for link in reversed(self._links):
+            _run("ip", "link", "del", link, check=False)
+        self._links.clear()
+        self._up = False
