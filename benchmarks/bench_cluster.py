@@ -12,8 +12,9 @@ ResNet-50 (25.6M parameters, ``shared/data/resnet50_param_shapes.json``).
 The wire floor of a configuration is the busiest link direction's payload bytes per step over
 the link rate, computed from the real placement (the same topology the workers use): a worker's
 push crosses its uplink and the server's downlink, the pull comes back the other way, and
-traffic between processes of one host crosses no link. Reported: seconds per step (median over
-steps and workers), the floor, and their ratio.
+traffic between processes of one host crosses no link. Reported: seconds per step (every step
+starts at a barrier; a step's time is its slowest worker's; the median over steps), the floor,
+and their ratio.
 
 Baselines on the same shaped hosts: ``torch.distributed`` gloo allreduce of the same tensors in
 fp32 and fp16, bucketed like DDP (25 MB buckets, backward order), with its ring floor
@@ -199,14 +200,15 @@ def run_gloo(args: argparse.Namespace) -> None:
 
 
 def _collect(processes: list[subprocess.Popen], what: str, timeout: float) -> list[float]:
-    times: list[float] = []
+    """The job's time per step: for each step the slowest worker's (steps start at a barrier)."""
+    per_worker: list[list[float]] = []
     deadline = time.monotonic() + timeout
     for process in processes:
         out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
         if process.returncode != 0:
             raise RuntimeError(f"{what} exited with {process.returncode}: {err[-2000:]}")
-        times += json.loads(out.strip().splitlines()[-1])["times"]
-    return times
+        per_worker.append(json.loads(out.strip().splitlines()[-1])["times"])
+    return [max(step) for step in zip(*per_worker, strict=True)]
 
 
 def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:

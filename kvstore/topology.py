@@ -13,10 +13,10 @@ Rules (DESIGN.md, "Sharding"):
 * Each slice is further cut into *chunks* of at most ``partition_elems`` elements (a multiple of
   16), so that encoding, sending, server-side decoding and replies of one big key overlap. A chunk
   is the unit of server state: it has its own round, optimizer state and reply. Chunk sizes ramp
-  up within a slice, like TCP's slow start: ``partition/4, partition/2``, then ``partition``. A
-  server's first round of a step then completes, and its replies start flowing back, after a
-  quarter of a partition has arrived from every worker instead of a whole one, while most bytes
-  still travel in full-size messages. (Once replies flow,
+  up at the start of a slice and down at its end (:func:`chunk_sizes`): a server's first round
+  of a step completes, and its replies start flowing back, after an eighth of a partition has
+  arrived from every worker, and after the last push arrives only small chunks remain to be sent
+  back; most bytes still travel in full-size messages. (Once replies flow,
   the server's outgoing link never waits again: rounds complete as fast as pushes arrive.)
 
 Every worker must use the same ``bigarray_bound`` and ``partition_elems``; the server checks that
@@ -93,21 +93,41 @@ class Chunk:
         return self.stop - self.start
 
 
-RAMP_STEPS = 2
-"""A slice's first chunks are partition / 4 and partition / 2 long."""
+RAMP_STEPS = 3
+"""A slice starts and ends with chunks of partition / 8, / 4 and / 2."""
 
 
 def chunk_sizes(length: int, partition_elems: int) -> list[int]:
-    """Chunk lengths of a slice of ``length`` elements: ramping up, then ``partition_elems``."""
-    sizes = []
+    """Chunk lengths of a slice of ``length`` elements.
+
+    Full partitions in the middle, ramps at both ends: ``p/8, p/4, p/2`` first and ``p/2, p/4,
+    p/8`` last. The small first chunks let a server's first round of a step complete early; the
+    small last chunks keep short the tail after the last push arrives, when each server still
+    has to send its last chunk's value to every worker. Every boundary but the slice's own end
+    is a multiple of 16 elements.
+    """
+    aligned = length - length % WORD_ELEMS
+    if aligned == 0:
+        return [length]
+    head: list[int] = []
+    tail: list[int] = []
+    left = aligned
     size = max(WORD_ELEMS, (partition_elems >> RAMP_STEPS) // WORD_ELEMS * WORD_ELEMS)
-    left = length
+    while left > 0 and size < partition_elems:
+        for side in (head, tail):
+            take = min(size, left)
+            if take:
+                side.append(take)
+                left -= take
+        size *= 2
+    middle = []
     while left > 0:
-        take = min(left, size)
-        sizes.append(take)
+        take = min(partition_elems, left)
+        middle.append(take)
         left -= take
-        size = min(partition_elems, size * 2)
-    return sizes or [0]
+    sizes = head + middle + tail[::-1]
+    sizes[-1] += length - aligned
+    return sizes
 
 
 def partition_elems_for(partition_bytes: int, itemsize: int) -> int:

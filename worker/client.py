@@ -495,7 +495,7 @@ class KVStore:
         source = vals.flat_source(value)
         requests = []
         with vals.device_stream(value):
-            for chunk in state.chunks:
+            for chunk in self._send_order(state):
                 self._wait_push(state, chunk.index)
                 payloads = self._encoder(state, chunk, source).encode(
                     source[chunk.start : chunk.stop]
@@ -519,6 +519,16 @@ class KVStore:
                 self._stats.pushed_raw_bytes += chunk.numel * np.dtype(state.dtype).itemsize
                 self._stats.push_messages += 1
         return requests
+
+    def _send_order(self, state: _KeyState) -> list[Chunk]:
+        """A key's chunks, one server after another, starting at server ``rank mod S``.
+
+        The transport's shared window sends them in this order, so each server's slice arrives
+        early and its values start flowing back while the next server receives; starting at a
+        different server on every worker spreads the workers over the servers.
+        """
+        first = self.rank % self.num_servers
+        return sorted(state.chunks, key=lambda c: ((c.server - first) % self.num_servers, c.index))
 
     def _require_optimizer_for_async(self) -> None:
         if self.type == "dist_async" and self._optimizer is None:

@@ -49,10 +49,20 @@ class SendQueue:
         return self._size
 
     def push(
-        self, item: Any, priority: int = 0, order_key: Hashable = None, express: bool = False
+        self,
+        item: Any,
+        priority: int = 0,
+        order_key: Hashable = None,
+        express: bool = False,
+        seq: int | None = None,
     ) -> None:
-        """Queue ``item``; ``express`` items go before all others (order keys permitting)."""
-        entry = _Entry(priority + (_EXPRESS if express else 0), next(self._seq), order_key, item)
+        """Queue ``item``; ``express`` items go before all others (order keys permitting).
+
+        ``seq`` orders equal ranks (default: this queue's own submission counter); a caller
+        that merges several queues passes one shared counter.
+        """
+        order = next(self._seq) if seq is None else seq
+        entry = _Entry(priority + (_EXPRESS if express else 0), order, order_key, item)
         self._size += 1
         if order_key is not None:
             previous = self._last.get(order_key)
@@ -65,6 +75,11 @@ class SendQueue:
     def peek(self) -> Any:
         """The next item, without removing it; raises IndexError when empty."""
         return self._ready[0].item
+
+    def head_order(self) -> tuple[int, int]:
+        """Sort key of the next item (smaller goes first); raises IndexError when empty."""
+        head = self._ready[0]
+        return (-head.rank, head.seq)
 
     def pop(self) -> Any:
         """Remove and return the next item; raises IndexError when empty."""

@@ -9,11 +9,15 @@ pulls and the other small requests on the *control* connection, so a pull reques
 behind megabytes of pushes in one TCP stream, and a full-duplex link carries pushes and pull
 replies at the same time instead of one after the other.
 
-Flow control: per server, at most ``window_bytes`` of data-lane payload are handed to ZeroMQ and
-not yet written to the connection (ZeroMQ's message trackers say when they were); the rest waits
-in the transport's own queue (:class:`~kvstore.worker.send_queue.SendQueue`), where higher
-``priority`` goes first (and small messages before bulk ones), so priorities decide what goes
-on the wire next rather than what was submitted first.
+Flow control: at most ``window_bytes`` of data-lane payload, over all servers, are handed to
+ZeroMQ and not yet written to a connection (ZeroMQ's message trackers say when they were); the
+rest waits in the transport's own queues (:class:`~kvstore.worker.send_queue.SendQueue`). The
+next message is the best across all servers' data lanes: higher ``priority`` first, small
+messages before bulk ones, then submission order. Because the window is shared, a worker sends
+its chunks roughly one server after another rather than to all servers at once, so each server
+finishes receiving early and starts returning values while the next server receives (with many
+workers, each starts at a different server; see the client). Control-lane messages are never
+held back.
 
 Payload buffers are sent without copies. The caller keeps them alive and unchanged until the
 request completes (the encoders do: a chunk is not re-encoded before its previous push was
@@ -163,7 +167,6 @@ class _Lane:
         self.windowed = windowed
         self.queue = SendQueue()  # of (frames, request, bulk bytes)
         self.in_flight: collections.deque[tuple[Any, int]] = collections.deque()
-        self.in_flight_bytes = 0
 
 
 class Transport:
@@ -193,6 +196,8 @@ class Transport:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._window = window_bytes
+        self._in_flight_bytes = 0  # data-lane payload handed to ZeroMQ, not yet written
+        self._seq = itertools.count()  # one submission order across all queues
         self._pending: dict[int, Request] = {}
         self._lost: dict[int, str] = {}
         self._connected: set[tuple[int, int]] = set()
@@ -274,6 +279,7 @@ class Transport:
                     priority,
                     order_key,
                     express=express,
+                    seq=next(self._seq),
                 )
                 self._wake()
         if lost is not None:
@@ -347,25 +353,27 @@ class Transport:
             self._fail_all(KVStoreError("the kvstore I/O thread failed; see the log"))
 
     def _flush(self) -> bool:
-        """Hand queued messages to ZeroMQ within the windows; True if a window is full."""
-        blocked = False
+        """Hand queued messages to ZeroMQ within the window; True if the window is full."""
         for pair in self._lanes:
             for lane in pair:
-                blocked |= self._flush_lane(lane)
-        return blocked
-
-    def _flush_lane(self, lane: _Lane) -> bool:
-        in_flight = lane.in_flight
-        while in_flight and in_flight[0][0].done:  # one connection sends in order
-            lane.in_flight_bytes -= in_flight.popleft()[1]
+                while lane.in_flight and lane.in_flight[0][0].done:  # sent in order per socket
+                    self._in_flight_bytes -= lane.in_flight.popleft()[1]
+        lanes = [lane for pair in self._lanes for lane in pair]
         while True:
             with self._lock:
-                if not lane.queue:
+                ready = [lane for lane in lanes if lane.queue]
+                if not ready:
                     return False
+                lane = min(ready, key=lambda x: x.queue.head_order())
                 frames, request, bulk = lane.queue.peek()
-                used = lane.in_flight_bytes
+                used = self._in_flight_bytes
                 if lane.windowed and bulk and used and used + bulk > self._window:
-                    return True
+                    # The best message must wait; control messages may still go.
+                    control = [x for x in ready if not x.windowed]
+                    if not control:
+                        return True
+                    lane = min(control, key=lambda x: x.queue.head_order())
+                    frames, request, bulk = lane.queue.peek()
                 lane.queue.pop()
                 lost = self._lost.get(lane.server)
             if lost is not None:
@@ -378,8 +386,8 @@ class Transport:
                 self._fail(request, ConnectionLostError(f"{request.what}: send failed: {exc}"))
                 continue
             if track:
-                in_flight.append((tracker, bulk))
-                lane.in_flight_bytes += bulk
+                lane.in_flight.append((tracker, bulk))
+                self._in_flight_bytes += bulk
 
     def _receive_all(self, sock: zmq.Socket) -> None:
         while True:

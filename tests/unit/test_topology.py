@@ -86,13 +86,18 @@ def test_key_of_1_5m_elements_over_two_servers():
     assert slices == {0: (0, 750_000), 1: (750_000, 1_500_000)}
 
 
-def test_chunk_sizes_ramp_up_like_slow_start():
+def test_chunk_sizes_ramp_up_and_down():
     p = 1 << 20
-    assert chunk_sizes(5 * p, p) == [p // 4, p // 2, p, p, p, p, p // 4]
+    e = p // 8
+    assert chunk_sizes(5 * p, p) == [e, 2 * e, 4 * e, p, p, p, 2 * e, 4 * e, 2 * e, e]
     assert chunk_sizes(100, p) == [100]
     assert chunk_sizes(0, p) == [0]
-    assert chunk_sizes(40, 16) == [16, 16, 8]
-    assert all(s % 16 == 0 for s in chunk_sizes(10_000_000, 1_048_576)[:-1])
+    assert chunk_sizes(40, 16) == [16, 24]  # the 8 left over join the last chunk
+    for length in (10_000_000, 1_000_007, 5 * p + 3, 160_000, 33):
+        sizes = chunk_sizes(length, p)
+        assert sum(sizes) == length
+        assert all(s % 16 == 0 for s in sizes[:-1])  # boundaries on whole 2-bit words
+        assert max(sizes) <= p + 15
 
 
 def test_keys_below_the_bound_stay_whole():

@@ -1,0 +1,157 @@
+"""Turn ``bench_cluster.py`` JSON lines into a Markdown table and a PNG plot.
+
+    python benchmarks/report.py results/cluster_full_mtu9000.jsonl \\
+        --markdown results/cluster.md --plot results/cluster.png
+
+The table has one row per workload, workers, servers and placement: seconds per push+pull step
+for dense (``none``) and 2-bit pushes, each next to its wire floor and their ratio, and the gloo
+allreduce baselines for the same workers. The plot shows seconds per step against the floor
+(the dashed line is the floor itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
+    kv, baselines, meta = [], [], {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "machine" in record:
+                meta = record
+            elif record.get("system") == "kvstore":
+                kv.append(record)
+            elif str(record.get("system", "")).startswith("gloo"):
+                baselines.append(record)
+    return kv, baselines, meta
+
+
+def _cell(record: dict | None) -> str:
+    if record is None:
+        return "-"
+    if "error" in record:
+        return "error"
+    ratio = record.get("over_floor")
+    ratio_text = f" ({ratio:.2f}x)" if ratio else ""
+    return f"{record['seconds_per_step']:.3f}{ratio_text}"
+
+
+def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
+    rows: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in kv:
+        rows[(r["workload"], r["workers"], r["servers"], r["placement"])][r["codec"]] = r
+    gloo: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in baselines:
+        gloo[(r["workload"], r["workers"])][r["system"]] = r
+    lines = [
+        "| workload | workers | servers | placement | dense: s/step (x floor) | dense floor s "
+        "| 2-bit: s/step (x floor) | 2-bit floor s | gloo fp32 allreduce | gloo fp16 allreduce |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(rows, key=lambda k: (k[0], k[1], k[2], k[3])):
+        workload, n, s, placement = key
+        dense, twobit = rows[key].get("none"), rows[key].get("2bit")
+        g = gloo.get((workload, n), {})
+        floor_dense = f"{dense['floor_seconds']:.3f}" if dense and "floor_seconds" in dense else "-"
+        floor_2bit = (
+            f"{twobit['floor_seconds']:.3f}" if twobit and "floor_seconds" in twobit else "-"
+        )
+        lines.append(
+            f"| {workload} | {n} | {s} | {placement} | {_cell(dense)} | {floor_dense} "
+            f"| {_cell(twobit)} | {floor_2bit} | {_cell(g.get('gloo-fp32'))} "
+            f"| {_cell(g.get('gloo-fp16'))} |"
+        )
+    machine = meta.get("machine", {})
+    lines.append("")
+    lines.append(
+        f"Measured on {machine.get('cores', '?')} cores ({machine.get('cpu', '?')}), every link "
+        f"shaped to {kv[0]['rate_mbit']:.0f} Mbit/s each way, MTU {kv[0].get('mtu', '?')}; "
+        f"median over steps of the slowest worker. Gloo's floor is its ring's "
+        f"2(N-1)/N x bytes / rate."
+        if kv
+        else ""
+    )
+    return "\n".join(lines)
+
+
+def plot(kv: list[dict], baselines: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in kv})
+    fig, axes = plt.subplots(len(workloads), 1, figsize=(13, 4.8 * len(workloads)), squeeze=False)
+    for ax, workload in zip(axes[:, 0], workloads, strict=True):
+        configs = sorted(
+            {(r["workers"], r["servers"], r["placement"]) for r in kv if r["workload"] == workload}
+        )
+        labels = [f"N{n} S{s}\n{'sep' if p == 'separate' else 'co'}" for n, s, p in configs]
+        x = list(range(len(configs)))
+        for offset, codec, color in ((-0.2, "none", "tab:blue"), (0.2, "2bit", "tab:orange")):
+            values, floors = [], []
+            for n, s, p in configs:
+                match = [
+                    r
+                    for r in kv
+                    if (r["workload"], r["workers"], r["servers"], r["placement"], r["codec"])
+                    == (workload, n, s, p, codec)
+                    and "seconds_per_step" in r
+                ]
+                values.append(match[0]["seconds_per_step"] if match else float("nan"))
+                floors.append(match[0]["floor_seconds"] if match else float("nan"))
+            label = "dense fp32" if codec == "none" else "2-bit push"
+            ax.bar([i + offset for i in x], values, width=0.38, color=color, label=label)
+            ax.scatter([i + offset for i in x], floors, marker="_", s=260, color="black",
+                       label="wire floor" if codec == "none" else None, zorder=3)  # fmt: skip
+        for system, marker in (("gloo-fp32", "v"), ("gloo-fp16", "^")):
+            xs, ys = [], []
+            for i, (n, s, p) in enumerate(configs):
+                match = [
+                    r
+                    for r in baselines
+                    if (r["workload"], r["workers"], r["system"]) == (workload, n, system)
+                    and "seconds_per_step" in r
+                ]
+                if match and (s, p) == (1, "separate"):
+                    xs.append(i)
+                    ys.append(match[0]["seconds_per_step"])
+            if xs:
+                ax.scatter(xs, ys, marker=marker, color="tab:green", zorder=4, label=system)
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("seconds per push+pull step")
+        ax.set_title(f"{workload}: kvstore vs the wire floor (N workers, S servers)")
+        ax.legend(fontsize=8, ncols=5)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", help="JSON-lines files from bench_cluster.py")
+    parser.add_argument("--markdown", help="write the table here (default: print it)")
+    parser.add_argument("--plot", help="write a PNG plot here")
+    args = parser.parse_args(argv)
+    kv, baselines, meta = load(args.results)
+    table = markdown(kv, baselines, meta)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    else:
+        print(table)
+    if args.plot:
+        plot(kv, baselines, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
