@@ -14,7 +14,9 @@ the link rate, computed from the real placement (the same topology the workers u
 push crosses its uplink and the server's downlink, the pull comes back the other way, and
 traffic between processes of one host crosses no link. Reported: seconds per step (every step
 starts at a barrier; a step's time is its slowest worker's; the median over steps), the floor,
-and their ratio.
+their ratio, and ``cpu_busy``: the share of this machine's cores in use during the measured
+steps. All hosts share this machine's cores, kernel networking included, so where ``cpu_busy``
+is near 1 the CPU, not the links, set the pace.
 
 Baselines on the same shaped hosts: ``torch.distributed`` gloo allreduce of the same tensors in
 fp32 and fp16, bucketed like DDP (25 MB buckets, backward order), with its ring floor
@@ -36,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -150,16 +153,20 @@ def run_worker(args: argparse.Namespace) -> None:
     kv.init(names, params)
     backward_names, backward_grads = names[::-1], grads[::-1]
     times = []
+    window = [0.0, 0.0]  # wall-clock start and end of the measured steps
     for step in range(args.steps + 1):  # the first step warms up
         kv.barrier()
+        if step == 1:
+            window[0] = time.time()
         start = time.perf_counter()
         kv.push(backward_names, backward_grads)
         kv.pull(names, out=params)
         if step:
             times.append(time.perf_counter() - start)
+    window[1] = time.time()
     kv.barrier()
     kv.close()
-    print(json.dumps({"times": times}), flush=True)
+    print(json.dumps({"times": times, "window": window}), flush=True)
 
 
 def run_gloo(args: argparse.Namespace) -> None:
@@ -183,32 +190,76 @@ def run_gloo(args: argparse.Namespace) -> None:
     if current:
         buckets.append(torch.cat(current))
     times = []
+    window = [0.0, 0.0]
     for step in range(args.steps + 1):
         dist.barrier()
+        if step == 1:
+            window[0] = time.time()
         start = time.perf_counter()
         works = [dist.all_reduce(bucket, async_op=True) for bucket in buckets]
         for work in works:
             work.wait()
         if step:
             times.append(time.perf_counter() - start)
+    window[1] = time.time()
     dist.barrier()
     dist.destroy_process_group()
-    print(json.dumps({"times": times}), flush=True)
+    print(json.dumps({"times": times, "window": window}), flush=True)
 
 
 # orchestration -------------------------------------------------------------------------------
 
 
-def _collect(processes: list[subprocess.Popen], what: str, timeout: float) -> list[float]:
-    """The job's time per step: for each step the slowest worker's (steps start at a barrier)."""
+class CpuMonitor:
+    """Samples the machine's CPU use (``/proc/stat``) every 100 ms in a background thread."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []  # (time, total jiffies, idle jiffies)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with open("/proc/stat") as f:
+                values = [int(v) for v in f.readline().split()[1:]]
+            self.samples.append((time.time(), sum(values), values[3] + values[4]))
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> CpuMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def busy(self, start: float, end: float) -> float | None:
+        """Share of all cores busy between ``start`` and ``end`` (wall-clock seconds)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return None
+        total = inside[-1][1] - inside[0][1]
+        idle = inside[-1][2] - inside[0][2]
+        return round(1 - idle / total, 2) if total else None
+
+
+def _collect(
+    processes: list[subprocess.Popen], what: str, timeout: float
+) -> tuple[list[float], tuple[float, float]]:
+    """The job's time per step (each step's slowest worker; steps start at a barrier), and the
+    wall-clock window of the measured steps."""
     per_worker: list[list[float]] = []
+    starts, ends = [], []
     deadline = time.monotonic() + timeout
     for process in processes:
         out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
         if process.returncode != 0:
             raise RuntimeError(f"{what} exited with {process.returncode}: {err[-2000:]}")
-        per_worker.append(json.loads(out.strip().splitlines()[-1])["times"])
-    return [max(step) for step in zip(*per_worker, strict=True)]
+        result = json.loads(out.strip().splitlines()[-1])
+        per_worker.append(result["times"])
+        starts.append(result["window"][0])
+        ends.append(result["window"][1])
+    return [max(step) for step in zip(*per_worker, strict=True)], (max(starts), min(ends))
 
 
 def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
@@ -239,7 +290,8 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
                 "--codec", codec, "--steps", str(args.steps)]  # fmt: skip
         workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True))  # fmt: skip
-    times = _collect(workers, f"{codec} worker", args.timeout)
+    with CpuMonitor() as cpu:
+        times, window = _collect(workers, f"{codec} worker", args.timeout)
     cluster.stop_processes()
     floor, busiest = floor_seconds(
         workload(workload_name), codec, n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
@@ -247,7 +299,7 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
     seconds = statistics.median(times)
     return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
             "over_floor": round(seconds / floor, 3) if floor else None,
-            "busiest_link_bytes": int(busiest)}  # fmt: skip
+            "busiest_link_bytes": int(busiest), "cpu_busy": cpu.busy(*window)}  # fmt: skip
 
 
 def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
@@ -261,14 +313,16 @@ def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
         processes.append(cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, env=env))  # fmt: skip
-    times = _collect(processes, baseline, args.timeout)
+    with CpuMonitor() as cpu:
+        times, window = _collect(processes, baseline, args.timeout)
     cluster.stop_processes()
     itemsize = 2 if baseline.endswith("fp16") else 4
     total = sum(math.prod(shape) for _, shape in workload(workload_name)) * itemsize
     floor = 2 * (n - 1) / n * total / cluster.rate_bytes_per_s
     seconds = statistics.median(times)
     return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
-            "over_floor": round(seconds / floor, 3) if floor else None}  # fmt: skip
+            "over_floor": round(seconds / floor, 3) if floor else None,
+            "cpu_busy": cpu.busy(*window)}  # fmt: skip
 
 
 def orchestrate(args: argparse.Namespace) -> int:

@@ -10,9 +10,13 @@ Rules (DESIGN.md, "Sharding"):
   in server-rank order, with every boundary on a multiple of 16 elements so that a 2-bit word
   (16 elements) never straddles two servers. Slice ``i`` covers words
   ``[W*i//S, W*(i+1)//S)`` of the ``W = ceil(n/16)`` words; the last slice ends at ``n``.
-* Each slice is further cut into *chunks* of at most ``partition_elems`` elements (a multiple of
-  16), so that encoding, sending, server-side decoding and replies of one big key overlap. A chunk
-  is the unit of server state: it has its own round, optimizer state and reply. Chunk sizes ramp
+* Each slice is further cut into *chunks*, so that encoding, sending, server-side decoding and
+  replies of one big key overlap. A chunk is the unit of server state: it has its own round,
+  optimizer state and reply. Pushing chunks and returning their values is a two-stage pipeline
+  (a flow shop): a step takes the slice's transfer time plus about one chunk's round, so chunks
+  must be small next to the slice. A slice is cut into at least :data:`SLICE_PARTS` chunks, none
+  longer than ``partition_elems`` and none shorter than ``partition_elems / 16`` (unless the
+  slice itself is). Chunk sizes ramp
   up at the start of a slice and down at its end (:func:`chunk_sizes`): a server's first round
   of a step completes, and its replies start flowing back, after an eighth of a partition has
   arrived from every worker, and after the last push arrives only small chunks remain to be sent
@@ -93,6 +97,9 @@ class Chunk:
         return self.stop - self.start
 
 
+SLICE_PARTS = 16
+"""A big slice is cut into at least this many chunks (a step then costs ~1/16 of a slice more)."""
+
 RAMP_STEPS = 3
 """A slice starts and ends with chunks of partition / 8, / 4 and / 2."""
 
@@ -128,6 +135,14 @@ def chunk_sizes(length: int, partition_elems: int) -> list[int]:
     sizes = head + middle + tail[::-1]
     sizes[-1] += length - aligned
     return sizes
+
+
+def slice_partition(length: int, partition_elems: int) -> int:
+    """The full chunk length for a slice: ``length / SLICE_PARTS`` within
+    ``[partition_elems / 16, partition_elems]``, a multiple of 16."""
+    wanted = -(-length // SLICE_PARTS)
+    size = min(partition_elems, max(partition_elems // 16, wanted))
+    return max(WORD_ELEMS, -(-size // WORD_ELEMS) * WORD_ELEMS)
 
 
 def partition_elems_for(partition_bytes: int, itemsize: int) -> int:
@@ -171,7 +186,7 @@ def plan_chunks(
         if hi == lo and numel > 0:
             continue  # a server with nothing of this key
         start = lo
-        for size in chunk_sizes(hi - lo, partition_elems):
+        for size in chunk_sizes(hi - lo, slice_partition(hi - lo, partition_elems)):
             chunks.append(Chunk(len(chunks), server, start, start + size))
             start += size
     return tuple(chunks)

@@ -520,15 +520,20 @@ class KVStore:
                 self._stats.push_messages += 1
         return requests
 
-    def _send_order(self, state: _KeyState) -> list[Chunk]:
-        """A key's chunks, one server after another, starting at server ``rank mod S``.
+    @staticmethod
+    def _send_order(state: _KeyState) -> list[Chunk]:
+        """A key's chunks interleaved over its servers: every slice's first chunk, then every
+        slice's second, and so on (the same order on every worker).
 
-        The transport's shared window sends them in this order, so each server's slice arrives
-        early and its values start flowing back while the next server receives; starting at a
-        different server on every worker spreads the workers over the servers.
+        The transport's shared window sends them in this order, so all servers receive at the
+        same pace (not at whatever pace TCP gives each connection) and every worker pushes a
+        given chunk at about the same time; rounds then complete in order, and after the last
+        pushes only the slices' small last chunks remain to be returned.
         """
-        first = self.rank % self.num_servers
-        return sorted(state.chunks, key=lambda c: ((c.server - first) % self.num_servers, c.index))
+        first_of_server: dict[int, int] = {}
+        for chunk in state.chunks:
+            first_of_server.setdefault(chunk.server, chunk.index)
+        return sorted(state.chunks, key=lambda c: (c.index - first_of_server[c.server], c.server))
 
     def _require_optimizer_for_async(self) -> None:
         if self.type == "dist_async" and self._optimizer is None:

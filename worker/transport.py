@@ -13,11 +13,9 @@ Flow control: at most ``window_bytes`` of data-lane payload, over all servers, a
 ZeroMQ and not yet written to a connection (ZeroMQ's message trackers say when they were); the
 rest waits in the transport's own queues (:class:`~kvstore.worker.send_queue.SendQueue`). The
 next message is the best across all servers' data lanes: higher ``priority`` first, small
-messages before bulk ones, then submission order. Because the window is shared, a worker sends
-its chunks roughly one server after another rather than to all servers at once, so each server
-finishes receiving early and starts returning values while the next server receives (with many
-workers, each starts at a different server; see the client). Control-lane messages are never
-held back.
+messages before bulk ones, then submission order. Because the window is shared, the order in
+which the client submits chunks is the order they go out (the client interleaves a key's slices
+so that all servers receive at the same pace). Control-lane messages are never held back.
 
 Payload buffers are sent without copies. The caller keeps them alive and unchanged until the
 request completes (the encoders do: a chunk is not re-encoded before its previous push was

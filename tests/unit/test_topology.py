@@ -12,6 +12,7 @@ from kvstore.topology import (
     chunk_sizes,
     plan_chunks,
     server_for_key,
+    slice_partition,
     split_bounds,
     stable_key_hash,
 )
@@ -86,6 +87,19 @@ def test_key_of_1_5m_elements_over_two_servers():
     assert slices == {0: (0, 750_000), 1: (750_000, 1_500_000)}
 
 
+def test_big_slices_are_cut_into_at_least_16_chunks_within_bounds():
+    p = 1 << 20
+    assert slice_partition(40 * p, p) == p  # capped by the partition size
+    assert slice_partition(8 * p, p) == p // 2  # a sixteenth of the slice
+    assert slice_partition(p, p) == p // 16  # but no less than partition / 16
+    assert slice_partition(100, p) == p // 16
+    chunks = plan_chunks("w", 10_000_000, 4, bigarray_bound=MB, partition_elems=p)
+    per_server = [[c for c in chunks if c.server == s] for s in range(4)]
+    for mine in per_server:
+        assert len(mine) >= 16
+        assert max(c.numel for c in mine) <= 2_500_000 // 16 + 16
+
+
 def test_chunk_sizes_ramp_up_and_down():
     p = 1 << 20
     e = p // 8
@@ -113,13 +127,13 @@ def test_the_bound_itself_splits():
 
 
 def test_partitions_cut_slices_on_16_element_boundaries():
-    chunks = plan_chunks(5, 1_000_007, 2, bigarray_bound=MB, partition_elems=160_000)
+    chunks = plan_chunks(5, 1_000_007, 2, bigarray_bound=MB, partition_elems=16_000)
     assert [c.index for c in chunks] == list(range(len(chunks)))
     assert chunks[0].start == 0 and chunks[-1].stop == 1_000_007
     for a, b in zip(chunks, chunks[1:], strict=False):
         assert a.stop == b.start
         assert a.stop % WORD_ELEMS == 0
-        assert a.numel <= 160_000
+        assert a.numel <= 16_000
     assert {c.server for c in chunks} == {0, 1}
     # chunks of one server are contiguous and in order
     assert [c.server for c in chunks] == sorted(c.server for c in chunks)
