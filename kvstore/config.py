@@ -68,9 +68,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "int",
         "4194304",
         "worker",
-        "Largest message payload, in bytes of the uncompressed value: each server's slice of a "
-        "key is cut into partitions of at most this size, so that encoding, sending, "
-        "server-side decoding and replies overlap. Must be equal on all workers.",
+        "Largest chunk, in bytes of the uncompressed value. Each server's slice of a key is cut "
+        "into at least 16 chunks of at most this size (and at least a sixteenth of it), with "
+        "smaller chunks at both ends, so that encoding, sending, server-side decoding and "
+        "replies overlap; the send window is twice this. Must be equal on all workers.",
     ),
     EnvVar(
         "KVSTORE_TIMEOUT",
