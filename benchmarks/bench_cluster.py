@@ -343,7 +343,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     ):
         if placement == "colocated" and s > n:
             continue  # more servers than hosts
-        configs.append((wl, n, s, placement, codec))
+        if not args.baselines_only:
+            configs.append((wl, n, s, placement, codec))
     baselines = [(wl, n, b) for wl in pick["workloads"] for n in pick["workers"] if n > 1
                  for b in pick["baselines"]]  # fmt: skip
     for wl, n, s, placement, codec in configs:
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", type=csv(int))
     parser.add_argument("--placements", type=csv(str))
     parser.add_argument("--baselines", type=csv(str))
+    parser.add_argument(
+        "--baselines-only", action="store_true", help="run the baselines and not kvstore"
+    )
     parser.add_argument("--steps", type=int)
     parser.add_argument("--rate", type=float, help="link rate in Mbit/s")
     parser.add_argument("--mtu", type=int, default=1500)

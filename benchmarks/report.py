@@ -1,6 +1,6 @@
 """Turn ``bench_cluster.py`` JSON lines into a Markdown table and a PNG plot.
 
-    python benchmarks/report.py results/cluster_full_mtu9000.jsonl \\
+    python benchmarks/report.py results/cluster_mtu9000.jsonl \\
         --markdown results/cluster.md --plot results/cluster.png
 
 The table has one row per workload, workers, servers and placement: seconds per push+pull step
@@ -40,8 +40,12 @@ def _cell(record: dict | None) -> str:
     if "error" in record:
         return "error"
     ratio = record.get("over_floor")
-    ratio_text = f" ({ratio:.2f}x)" if ratio else ""
-    return f"{record['seconds_per_step']:.3f}{ratio_text}"
+    notes = [f"{ratio:.2f}x"] if ratio else []
+    if record.get("cpu_busy") is not None:
+        # the emulated hosts share the benchmark machine's cores: a busy machine means the
+        # run measured the CPU, not the links
+        notes.append(f"cpu {record['cpu_busy']:.0%}")
+    return f"{record['seconds_per_step']:.3f}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
@@ -52,8 +56,9 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
     for r in baselines:
         gloo[(r["workload"], r["workers"])][r["system"]] = r
     lines = [
-        "| workload | workers | servers | placement | dense: s/step (x floor) | dense floor s "
-        "| 2-bit: s/step (x floor) | 2-bit floor s | gloo fp32 allreduce | gloo fp16 allreduce |",
+        "| workload | workers | servers | placement | dense: s/step (x floor, cpu) | dense floor s "
+        "| 2-bit: s/step (x floor, cpu) | 2-bit floor s | gloo fp32 allreduce "
+        "| gloo fp16 allreduce |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(rows, key=lambda k: (k[0], k[1], k[2], k[3])):
@@ -75,7 +80,8 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
         f"Measured on {machine.get('cores', '?')} cores ({machine.get('cpu', '?')}), every link "
         f"shaped to {kv[0]['rate_mbit']:.0f} Mbit/s each way, MTU {kv[0].get('mtu', '?')}; "
         f"median over steps of the slowest worker. Gloo's floor is its ring's "
-        f"2(N-1)/N x bytes / rate."
+        f"2(N-1)/N x bytes / rate. cpu: the benchmark machine's CPU use during the run "
+        f"(all emulated hosts share its cores)."
         if kv
         else ""
     )
