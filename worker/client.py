@@ -17,6 +17,7 @@ push are raised by the next call that waits on it: a later push or pull of the s
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import uuid
@@ -102,10 +103,7 @@ class _KeyState:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def describe(self) -> str:
         return f"key {self.key!r} (shape {self.shape}, {self.dtype})"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,10 +45,7 @@ class ValueInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def _is_torch_tensor(value: Any) -> bool:
