@@ -333,7 +333,11 @@ def orchestrate(args: argparse.Namespace) -> int:
         emit({"bench": "cluster", "skipped": why_not})
         return 0
     preset = PRESETS[args.preset]
-    pick = {k: getattr(args, k) or preset[k] for k in preset if k not in ("steps", "rate")}
+    pick = {
+        k: preset[k] if getattr(args, k) is None else getattr(args, k)
+        for k in preset
+        if k not in ("steps", "rate")
+    }
     args.steps = args.steps or preset["steps"]
     rate = args.rate or preset["rate"]
     started = time.time()
@@ -386,7 +390,7 @@ def _append(path: str | None, record: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-    csv = lambda t: lambda v: [t(x) for x in v.split(",")]  # noqa: E731
+    csv = lambda t: lambda v: [t(x) for x in v.split(",") if x]  # noqa: E731
     parser.add_argument("--workloads", type=csv(str))
     parser.add_argument("--codecs", type=csv(str))
     parser.add_argument("--workers", type=csv(int))

@@ -232,7 +232,11 @@ class KVStore:
         tune_malloc()  # ZeroMQ's receive buffers get reused instead of page-faulted back
         identity = f"w{cluster.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         self._transport = Transport(
-            cluster.servers, identity, context, window_bytes=2 * self._options.partition_bytes
+            cluster.servers,
+            identity,
+            context,
+            window_bytes=2 * self._options.partition_bytes,
+            lead_chunks=int(os.environ.get("XLEAD", "0")),
         )
         try:
             self._handshake()

@@ -15,7 +15,10 @@ rest waits in the transport's own queues (:class:`~kvstore.worker.send_queue.Sen
 next message is the best across all servers' data lanes: higher ``priority`` first, small
 messages before bulk ones, then submission order. Because the window is shared, the order in
 which the client submits chunks is the order they go out (the client interleaves a key's slices
-so that all servers receive at the same pace). Control-lane messages are never held back.
+so that all servers receive at the same pace). A server's data lane also holds back bulk pushes
+while ``lead_chunks`` of its pushes are unanswered, so a worker whose TCP flows are faster does
+not run ahead of the others that a synchronous round waits for. Control-lane messages are never
+held back.
 
 Payload buffers are sent without copies. The caller keeps them alive and unchanged until the
 request completes (the encoders do: a chunk is not re-encoded before its previous push was
@@ -153,6 +156,14 @@ _ACKNOWLEDGED = Message(op=Op.REPLY, rid=0, fields={}, payloads=[])
 """What a push request holds when a later pull's reply acknowledged it (``ak``)."""
 
 _DATA_OPS = frozenset({Op.PUSH, Op.PUSHPULL, Op.INIT})
+_LEAD_OPS = frozenset({Op.PUSH, Op.PUSHPULL})
+
+LEAD_CHUNKS = 3
+"""Bulk pushes a data lane may have sent and not yet answered (see ``_Lane.lead_blocked``).
+Measured on 8 workers x 4 servers with 1 Gbit/s links: dense steps 1.69x -> 1.33x the floor."""
+
+LEAD_PATIENCE_S = 0.5
+"""How long a lane waits for an answer before its lead limit lapses (see ``lead_blocked``)."""
 
 
 class _Lane:
@@ -165,6 +176,27 @@ class _Lane:
         self.windowed = windowed
         self.queue = SendQueue()  # of (frames, request, bulk bytes)
         self.in_flight: collections.deque[tuple[Any, int]] = collections.deque()
+        # Lead limit: bulk pushes sent on this lane and not yet answered (their round is not
+        # applied), and when one last was.
+        self.unanswered: collections.deque[Request] = collections.deque()
+        self.last_answer = 0.0
+
+    def lead_blocked(self, limit: int, now: float, patience: float) -> bool:
+        """True while ``limit`` bulk pushes sent on this lane are not yet answered.
+
+        A synchronous round completes only when every worker's push of its chunk arrived, so a
+        worker whose TCP flows happen to be faster than others' gains nothing by running ahead:
+        it only takes link share from the workers the round waits for. Holding the lead to a
+        few chunks keeps the workers in step. The limit lapses when nothing was answered for
+        ``patience`` seconds, so workers that push in different orders cannot deadlock.
+        """
+        if len(self.unanswered) < limit:
+            return False
+        kept = collections.deque(r for r in self.unanswered if not r.done())
+        if len(kept) < len(self.unanswered):
+            self.last_answer = now
+            self.unanswered = kept
+        return len(kept) >= limit and now - self.last_answer < patience
 
 
 class Transport:
@@ -178,6 +210,7 @@ class Transport:
             server); by default the transport makes and terminates its own.
         window_bytes: data-lane payload bytes per server that may be handed to ZeroMQ and not
             yet written to the connection.
+        lead_chunks: bulk pushes per server sent and not yet answered, at most (0: no limit).
     """
 
     def __init__(
@@ -187,6 +220,7 @@ class Transport:
         context: zmq.Context | None = None,
         *,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
+        lead_chunks: int = LEAD_CHUNKS,
     ) -> None:
         self.servers = tuple(servers)
         self._own_context = context is None
@@ -194,6 +228,7 @@ class Transport:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._window = window_bytes
+        self._lead = lead_chunks if lead_chunks > 0 else 1 << 62
         self._in_flight_bytes = 0  # data-lane payload handed to ZeroMQ, not yet written
         self._seq = itertools.count()  # one submission order across all queues
         self._pending: dict[int, Request] = {}
@@ -324,12 +359,11 @@ class Transport:
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while True:
-                blocked = self._flush()
+                wait_ms = self._flush()
                 with self._lock:
                     if self._closing:
                         return
-                # While a window is full, look again soon: trackers have no file descriptor.
-                events = dict(poller.poll(1 if blocked else 1000))
+                events = dict(poller.poll(wait_ms))
                 if self._wake_r in events:
                     # Drain first, then clear the flag: clearing first could swallow the byte of
                     # a submit made in between and leave the flag set with an empty pipe.
@@ -350,28 +384,44 @@ class Transport:
             logger.exception("the kvstore I/O thread failed")
             self._fail_all(KVStoreError("the kvstore I/O thread failed; see the log"))
 
-    def _flush(self) -> bool:
-        """Hand queued messages to ZeroMQ within the window; True if the window is full."""
+    def _flush(self) -> int:
+        """Hand queued messages to ZeroMQ within the window and lead limits.
+
+        Returns how long (ms) the I/O thread may sleep when no socket has anything: 1 while the
+        window holds a message back (ZeroMQ's trackers have no file descriptor to wait on),
+        until the lead limit lapses while only that holds one back (answers arrive on sockets),
+        else a second.
+        """
         for pair in self._lanes:
             for lane in pair:
                 while lane.in_flight and lane.in_flight[0][0].done:  # sent in order per socket
                     self._in_flight_bytes -= lane.in_flight.popleft()[1]
         lanes = [lane for pair in self._lanes for lane in pair]
+        now = time.monotonic()
         while True:
             with self._lock:
                 ready = [lane for lane in lanes if lane.queue]
                 if not ready:
-                    return False
-                lane = min(ready, key=lambda x: x.queue.head_order())
-                frames, request, bulk = lane.queue.peek()
-                used = self._in_flight_bytes
-                if lane.windowed and bulk and used and used + bulk > self._window:
-                    # The best message must wait; control messages may still go.
-                    control = [x for x in ready if not x.windowed]
-                    if not control:
-                        return True
-                    lane = min(control, key=lambda x: x.queue.head_order())
+                    return 1000
+                wait_ms = 1000
+                while ready:
+                    lane = min(ready, key=lambda x: x.queue.head_order())
                     frames, request, bulk = lane.queue.peek()
+                    if not (lane.windowed and bulk):
+                        break
+                    used = self._in_flight_bytes
+                    if used and used + bulk > self._window:
+                        # The best message must wait; control messages may still go.
+                        ready = [x for x in ready if not x.windowed]
+                        wait_ms = 1
+                    elif lane.lead_blocked(self._lead, now, LEAD_PATIENCE_S):
+                        ready.remove(lane)
+                        lapse = LEAD_PATIENCE_S - (now - lane.last_answer)
+                        wait_ms = min(wait_ms, max(1, int(lapse * 1000) + 1))
+                    else:
+                        break
+                if not ready:
+                    return wait_ms
                 lane.queue.pop()
                 lost = self._lost.get(lane.server)
             if lost is not None:
@@ -386,6 +436,10 @@ class Transport:
             if track:
                 lane.in_flight.append((tracker, bulk))
                 self._in_flight_bytes += bulk
+                if request.op in _LEAD_OPS:
+                    if not lane.unanswered:
+                        lane.last_answer = now
+                    lane.unanswered.append(request)
 
     def _receive_all(self, sock: zmq.Socket) -> None:
         while True:
