@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -152,21 +153,35 @@ def run_worker(args: argparse.Namespace) -> None:
     grads = [rng.standard_normal(shape).astype(np.float32) for _, shape in keys]
     kv.init(names, params)
     backward_names, backward_grads = names[::-1], grads[::-1]
-    times = []
-    window = [0.0, 0.0]  # wall-clock start and end of the measured steps
-    for step in range(args.steps + 1):  # the first step warms up
-        kv.barrier()
-        if step == 1:
-            window[0] = time.time()
-        start = time.perf_counter()
+
+    def step() -> None:
         kv.push(backward_names, backward_grads)
         kv.pull(names, out=params)
-        if step:
+
+    report = timed_steps(args.steps, kv.barrier, step)
+    kv.close()
+    print(json.dumps(report), flush=True)
+
+
+def timed_steps(steps: int, barrier: Callable[[], None], step: Callable[[], None]) -> dict:
+    """Run one warm-up step and ``steps`` timed ones, each after a barrier.
+
+    Returns the seconds of each timed step and the wall-clock window they span (the
+    orchestrator reads the machine's CPU use over it).
+    """
+    times = []
+    window = [0.0, 0.0]
+    for index in range(steps + 1):
+        barrier()
+        if index == 1:
+            window[0] = time.time()
+        start = time.perf_counter()
+        step()
+        if index:
             times.append(time.perf_counter() - start)
     window[1] = time.time()
-    kv.barrier()
-    kv.close()
-    print(json.dumps({"times": times, "window": window}), flush=True)
+    barrier()
+    return {"times": times, "window": window}
 
 
 def run_gloo(args: argparse.Namespace) -> None:
@@ -189,22 +204,15 @@ def run_gloo(args: argparse.Namespace) -> None:
             current, size = [], 0
     if current:
         buckets.append(torch.cat(current))
-    times = []
-    window = [0.0, 0.0]
-    for step in range(args.steps + 1):
-        dist.barrier()
-        if step == 1:
-            window[0] = time.time()
-        start = time.perf_counter()
+
+    def step() -> None:
         works = [dist.all_reduce(bucket, async_op=True) for bucket in buckets]
         for work in works:
             work.wait()
-        if step:
-            times.append(time.perf_counter() - start)
-    window[1] = time.time()
-    dist.barrier()
+
+    report = timed_steps(args.steps, dist.barrier, step)
     dist.destroy_process_group()
-    print(json.dumps({"times": times, "window": window}), flush=True)
+    print(json.dumps(report), flush=True)
 
 
 # orchestration -------------------------------------------------------------------------------
