@@ -236,7 +236,6 @@ class KVStore:
             identity,
             context,
             window_bytes=2 * self._options.partition_bytes,
-            lead_chunks=int(os.environ.get("XLEAD", "0")),
         )
         try:
             self._handshake()
