@@ -11,11 +11,15 @@ values; each step every worker pushes the key and pulls it back (``dist_sync``, 
   pyzmq does at its best. Both bare variants get the same malloc tuning as kvstore
   (:mod:`kvstore._malloc`), and kvstore is compared with the faster of the two.
 * ``kvstore none``: ``kv.push`` + ``kv.pull`` uncompressed.
-* ``kvstore 2bit``: the same with 2-bit compressed pushes (pulls are dense fp32).
+* ``kvstore 2bit``: the same with 2-bit compressed pushes; without an optimizer the pull of the
+  round's sum is relayed (the W pushes, summed by the worker: bit-identical, W/16 of the bytes).
+* ``kvstore 2bit dense pull``: 2-bit pushes with ``pull_relay=False``: dense fp32 pulls, the
+  traffic of a job with an optimizer on the server.
 
 Configurations run in alternation for ``--rounds`` rounds (so machine noise hits all of them
 alike); each reports the median seconds per step over all rounds' steps. Ratios: kvstore dense
-over bare pyzmq, and 2-bit over dense. One JSON line per configuration, then a summary line.
+over bare pyzmq, and each 2-bit configuration over dense. One JSON line per configuration, then a
+summary line.
 
     python benchmarks/bench_pushpull.py --preset smoke
     python benchmarks/bench_pushpull.py --preset full
@@ -110,12 +114,24 @@ def bare_worker(address: str, elements: int, steps: int, pipelined: bool) -> Non
     ctx.term()
 
 
-def kv_worker(address: str, rank: int, workers: int, elements: int, steps: int, codec: str) -> None:
+KV_CONFIGS = {
+    "kvstore none": ("none", True),
+    "kvstore 2bit": ("2bit", True),
+    "kvstore 2bit dense pull": ("2bit", False),
+}
+"""Configuration name -> (codec, pull_relay)."""
+
+
+def kv_worker(
+    address: str, rank: int, workers: int, elements: int, steps: int, codec: str, relay: bool
+) -> None:
     import numpy as np
 
     import kvstore
 
-    kv = kvstore.create("dist_sync", servers=[address], rank=rank, num_workers=workers)
+    kv = kvstore.create(
+        "dist_sync", servers=[address], rank=rank, num_workers=workers, pull_relay=relay
+    )
     if codec != "none":
         kv.set_gradient_compression({"type": codec, "threshold": 0.5})
     grad = np.random.default_rng(rank).standard_normal(elements).astype(np.float32)
@@ -167,7 +183,9 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
                 command += ["--role", "bare-worker"]
                 command += ["--pipelined"] if name.endswith("pipelined") else []
             else:
-                command += ["--role", "kv-worker", "--codec", name.split()[-1]]
+                codec, relay = KV_CONFIGS[name]
+                command += ["--role", "kv-worker", "--codec", codec]
+                command += [] if relay else ["--no-relay"]
             children.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
         times: list[float] = []
         for child in children:
@@ -194,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--codec", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-relay", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     elements = args.elements or preset["elements"]
@@ -206,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         bare_worker(args.address, elements, steps, args.pipelined)
         return 0
     if args.role == "kv-worker":
-        kv_worker(args.address, args.rank, workers, elements, steps, args.codec)
+        kv_worker(args.address, args.rank, workers, elements, steps, args.codec, not args.no_relay)
         return 0
 
-    configs = ["bare pyzmq", "bare pyzmq pipelined", "kvstore none", "kvstore 2bit"]
+    configs = ["bare pyzmq", "bare pyzmq pipelined", *KV_CONFIGS]
     samples: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(args.rounds or preset["rounds"]):
         for config in configs:
@@ -218,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     bare_best = min(medians["bare pyzmq"], medians["bare pyzmq pipelined"])
     nbytes = 4 * elements
     for config in configs:
-        push_bytes = nbytes // 16 if config.endswith("2bit") else nbytes
+        codec, relay = KV_CONFIGS.get(config, ("none", False))
+        push_bytes = nbytes // 16 if codec == "2bit" else nbytes
+        pull_bytes = workers * nbytes // 16 if codec == "2bit" and relay else nbytes
         emit(
             {
                 "bench": "pushpull",
@@ -226,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workers": workers,
                 "servers": 1,
                 "elements": elements,
-                "bytes_per_worker_step": push_bytes + nbytes,
+                "bytes_per_worker_step": push_bytes + pull_bytes,
                 "seconds_per_step": round(medians[config], 5),
                 "steps_measured": len(samples[config]),
             }
@@ -237,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             "summary": True,
             "dense_over_bare_pyzmq": round(medians["kvstore none"] / bare_best, 3),
             "twobit_over_dense": round(medians["kvstore 2bit"] / medians["kvstore none"], 3),
+            "twobit_dense_pull_over_dense": round(
+                medians["kvstore 2bit dense pull"] / medians["kvstore none"], 3
+            ),
             "machine": machine(),
         }
     )

@@ -23,6 +23,14 @@ values), which the server stores or hands to the optimizer. Codecs that need mor
 trip per step (PowerSGD sums the workers' P factors, returns the sum, then sums their Q factors)
 return the intermediate aggregate from :meth:`Aggregator.finish`: the server then sends those
 frames back to the round's pushers instead of updating the key.
+
+*Relayed pulls.* Without an optimizer a ``dist_sync`` round stores the sum of its decoded pushes.
+For a codec whose decoded sum a worker can recompute bit for bit (:attr:`Codec.relayable`: 2-bit,
+whose decode is exact and whose server sum is a fixed sequence of float32 additions), the server
+may answer a pull with the round's push payloads themselves, in the order it summed them, instead
+of the dense sum; the worker runs :meth:`Codec.sum_relay` and gets the identical array. With N
+workers a 2-bit relay is N/16 of the dense bytes, so workers ask for it only while that is at
+most half (:meth:`Codec.relay_limit`).
 """
 
 from __future__ import annotations
@@ -188,6 +196,37 @@ class Codec(ABC):
     @abstractmethod
     def make_aggregator(self, numel: int, dtype: str) -> Aggregator:
         """A server-side aggregator for a chunk of ``numel`` elements."""
+
+    relayable: ClassVar[bool] = False
+    """True when :meth:`sum_relay` reproduces the aggregator's sum of a round bit for bit."""
+
+    def relay_limit(self, numel: int, dtype: str) -> int:
+        """The most pushes a relayed pull of a ``numel``-element chunk may carry (0: never).
+
+        A relay is worth it while its bytes are at most half the dense value's; the worker
+        sends this number with its pull and the server relays only rounds of at most that many
+        pushes.
+        """
+        if not self.relayable or numel == 0:
+            return 0
+        sizes = self.payload_nbytes(numel, dtype)
+        if sizes is None:
+            return 0
+        dense = numel * np.dtype(dtype).itemsize
+        return (dense // 2) // max(1, sum(sizes))
+
+    def sum_relay(self, pushes: Sequence[Payloads], numel: int, dtype: str, out: Any) -> None:
+        """Write the sum of the decoded ``pushes`` into ``out``, exactly as the server did.
+
+        ``pushes`` are the payloads of one round in the order the server's aggregator added
+        them: the first is written, the others added, with the aggregator's arithmetic, so
+        ``out`` (``numel`` elements of ``dtype``, numpy or CuPy) ends up bit-identical to the
+        server's sum. Each push is validated first.
+
+        Raises:
+            CodecError: the codec cannot relay, or a push has the wrong sizes.
+        """
+        raise CodecError(f"codec {self.name!r} does not relay pulls")
 
     def validate_payloads(self, payloads: Payloads, numel: int, dtype: str) -> None:
         """Raise CodecError unless ``payloads`` have the sizes this codec produces."""

@@ -36,7 +36,7 @@ selects the reference) and the CuPy kernels in ``_twobit_cuda`` for GPU arrays.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -244,6 +244,7 @@ class _TwoBitAggregator(Aggregator):
         _, self._decode = cpu_kernels()
 
     def add(self, payloads: Payloads, first: bool) -> None:
+        # TwoBitCodec.sum_relay repeats exactly this on the worker: keep the two in step.
         words = frame_array(payloads[0], np.uint32)
         self._decode(words, self.numel, self.threshold, self.result, not first)
 
@@ -260,6 +261,9 @@ class TwoBitCodec(Codec):
     name = "2bit"
     dtypes = frozenset({"float32"})
     param_defaults = {"threshold": 0.5}
+    # Decoding is exact (+t, -t or +0.0) and the server adds the decoded pushes one after
+    # another in float32, so the worker can redo the sum from the pushes bit for bit.
+    relayable = True
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
@@ -278,3 +282,20 @@ class TwoBitCodec(Codec):
     def make_aggregator(self, numel: int, dtype: str) -> Aggregator:
         self.check_dtype(dtype)
         return _TwoBitAggregator(numel, self.threshold)
+
+    def sum_relay(self, pushes: Sequence[Payloads], numel: int, dtype: str, out: Any) -> None:
+        self.check_dtype(dtype)
+        if not pushes:
+            raise CodecError("a relayed pull needs at least one push")
+        for payloads in pushes:
+            self.validate_payloads(payloads, numel, dtype)
+        on_gpu = is_cupy_array(out)
+        if on_gpu:
+            import cupy  # noqa: PLC0415
+
+        for i, payloads in enumerate(pushes):
+            words = frame_array(payloads[0], np.uint32)
+            if on_gpu:
+                words = cupy.asarray(words)
+            # The aggregator's arithmetic: the first push written, the others added in order.
+            decode(words, numel, self.threshold, out, accumulate=i > 0)

@@ -44,6 +44,7 @@ def create(
     connect_timeout: float | None = None,
     bigarray_bound: int | None = None,
     partition_bytes: int | None = None,
+    pull_relay: bool | None = None,
 ) -> KVStore:
     """Create a store and connect it to its servers.
 
@@ -60,6 +61,7 @@ def create(
         connect_timeout: longest wait for the servers' handshake (``KVSTORE_CONNECT_TIMEOUT``).
         bigarray_bound: split keys of at least this many elements (``KVSTORE_BIGARRAY_BOUND``).
         partition_bytes: largest message payload (``KVSTORE_PARTITION_BYTES``).
+        pull_relay: take relayed pulls of compressed rounds (``KVSTORE_PULL_RELAY``).
 
     Raises:
         ValueError: unknown ``name`` (the message lists the valid ones).
@@ -87,6 +89,7 @@ def create(
         connect_timeout=connect_timeout,
         bigarray_bound=bigarray_bound,
         partition_bytes=partition_bytes,
+        pull_relay=pull_relay,
     )
     if mode == "local":
         if servers is not None or (num_workers not in (None, 1)) or rank not in (None, 0):

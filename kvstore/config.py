@@ -113,6 +113,15 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "are reused instead of page-faulted back every message; 0 turns it off.",
     ),
     EnvVar(
+        "KVSTORE_PULL_RELAY",
+        "0 or 1",
+        "1",
+        "worker",
+        "Without a server optimizer, let servers answer a pull of a 2-bit key with the round's "
+        "pushes (N/16 of the bytes) that the worker sums itself, bit-identical to the dense "
+        "value; 0 always pulls dense values.",
+    ),
+    EnvVar(
         "KVSTORE_LOG_LEVEL",
         "DEBUG, INFO, WARNING, ERROR",
         "WARNING (servers: INFO)",
@@ -162,6 +171,16 @@ def parse_float(name: str, raw: str, *, minimum: float | None = None) -> float:
     if value != value or (minimum is not None and value < minimum):
         raise ConfigError(f"{name}={raw!r} must be a number >= {minimum}")
     return value
+
+
+def parse_switch(name: str, raw: str) -> bool:
+    """An on/off variable: 1/true/yes/on or 0/false/no/off (any case)."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} must be 0 or 1")
 
 
 def parse_server_list(name: str, raw: str) -> tuple[str, ...]:
@@ -243,12 +262,14 @@ class WorkerOptions:
         partition_bytes: largest uncompressed payload of one message.
         timeout: longest wait of a blocking call in seconds; ``None`` waits forever.
         connect_timeout: longest wait for the servers' handshake replies, in seconds.
+        pull_relay: offer to take relayed pulls (a round's compressed pushes, summed here).
     """
 
     bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     timeout: float | None = None
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    pull_relay: bool = True
 
     def __post_init__(self) -> None:
         if self.bigarray_bound < 1:
@@ -278,6 +299,9 @@ class WorkerOptions:
         raw = _get(env, "KVSTORE_CONNECT_TIMEOUT")
         if raw is not None:
             values["connect_timeout"] = parse_float("KVSTORE_CONNECT_TIMEOUT", raw, minimum=0.001)
+        raw = _get(env, "KVSTORE_PULL_RELAY")
+        if raw is not None:
+            values["pull_relay"] = parse_switch("KVSTORE_PULL_RELAY", raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 
@@ -337,14 +361,7 @@ def malloc_tuning_from_env(env: Mapping[str, str] | None = None) -> bool:
     """``KVSTORE_MALLOC_TUNING``: True (default) unless set to 0/false/no/off."""
     env = os.environ if env is None else env
     raw = _get(env, "KVSTORE_MALLOC_TUNING")
-    if raw is None:
-        return True
-    value = raw.lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"KVSTORE_MALLOC_TUNING={raw!r} must be 0 or 1")
+    return True if raw is None else parse_switch("KVSTORE_MALLOC_TUNING", raw)
 
 
 def cpu_kernels_from_env(env: Mapping[str, str] | None = None) -> str:

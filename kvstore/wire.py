@@ -26,6 +26,11 @@ request never queues behind megabytes of pushes in one TCP stream. Across two co
 arrival order means nothing, so a PULL says how many of the worker's pushes of the chunk it must
 follow (``af``), and a value reply names the push requests it acknowledges (``ak``).
 
+A PULL (or PUSHPULL) may offer to take a *relayed* value (``rx``: at most this many pushes): the
+server may then answer with the payloads of the pushes whose decoded sum is the value, in the
+order it summed them (``rl``: how many pushes the reply carries; the payload frames are theirs,
+push after push) instead of the dense value; see :mod:`kvstore.codecs.base`.
+
 Payloads are raw contiguous buffers (numpy/pinned memory, packed codec words), never embedded in
 msgpack, sent with ``copy=False`` and received without copies. Nothing is ever pickled.
 
@@ -51,7 +56,7 @@ import msgpack
 
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_KEY_LENGTH = 1024
@@ -194,13 +199,15 @@ SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
     ),
     Op.PUSH: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True)),
     # "af": answer once this many of the worker's pushes of the chunk are applied
-    Op.PULL: (("k", KEY, True), ("c", UINT, True), ("af", UINT, True)),
-    Op.PUSHPULL: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True)),
+    # "rx": a relayed value of at most this many pushes is welcome (absent: dense only)
+    Op.PULL: (("k", KEY, True), ("c", UINT, True), ("af", UINT, True), ("rx", UINT, False)),
+    Op.PUSHPULL: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True), ("rx", UINT, False)),
     Op.BARRIER: (),
     Op.SET_OPTIMIZER: (("opt", STR, True), ("hp", PARAMS, True)),
     Op.BYE: (),
     # "ak": ids of push requests this (value) reply also acknowledges
-    Op.REPLY: (("sr", UINT, False), ("ak", RIDS, False)),
+    # "rl": the value is relayed: the payloads are those of this many pushes, to decode and sum
+    Op.REPLY: (("sr", UINT, False), ("ak", RIDS, False), ("rl", UINT, False)),
     Op.ERROR: (("code", STR, True), ("msg", STR, True)),
 }
 

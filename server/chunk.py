@@ -35,12 +35,14 @@ class PendingReply(NamedTuple):
         rid: the request id.
         rank: the worker's rank.
         want_value: reply with the chunk's value (pull, pushpull) rather than an empty ack.
+        relay_max: the worker takes a relayed value of at most this many pushes (0: dense).
     """
 
     identity: bytes
     rid: int
     rank: int
     want_value: bool
+    relay_max: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,10 @@ class ChunkState:
     round_replies: list[PendingReply] = field(default_factory=list)
     round_error: BaseException | None = None
     accumulated: int = 0
+    round_payloads: list[Any] = field(default_factory=list)  # in the order they were summed
+    # The payloads whose decoded sum (in this order) is the published value, when the codec
+    # lets a worker redo that sum (a relayed pull); None when the value is anything else.
+    relay: list[Any] | None = None
     deferred: deque[Deferred] = field(default_factory=deque)
     # pushes of each rank that are done (applied, or failed); a pull says how many it follows
     applied: Counter[int] = field(default_factory=Counter)
@@ -125,6 +131,7 @@ class ChunkState:
     def set_initial_value(self, values: np.ndarray) -> None:
         """Store rank 0's init value (copied: the frame's memory belongs to ZeroMQ)."""
         wire = np.array(values, dtype=np.dtype(self.spec.dtype), copy=True)
+        self.relay = None
         acc = accumulator_dtype(self.spec.dtype)
         self.master = None if wire.dtype == acc else wire.astype(acc)
         self.value = PublishedValue(wire)

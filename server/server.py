@@ -23,7 +23,9 @@ all N pushes are acknowledged. A worker's second push of a chunk within one roun
 next round. ``dist_async``: each push is decoded and applied on arrival (an optimizer is required)
 and acknowledged.
 
-Pulls are answered with the chunk's published value, but only after as many of the same worker's
+Pulls are answered with the chunk's published value (or, when the worker offers to take it and
+the value is a round's sum without an optimizer, with that round's pushes to sum itself: a
+relayed pull, see :mod:`kvstore.codecs.base`), but only after as many of the same worker's
 pushes of that chunk have been applied as the pull says it follows (``af``: pulls travel on the
 worker's control connection, pushes on its data connection, so arrival order means nothing). So
 ``push`` then ``pull`` reads the worker's own update without an extra round trip. Such a value
@@ -254,8 +256,16 @@ class ShardServer:
 
     def _send_value(self, reply: PendingReply, chunk: ChunkState, acks: list[int] = ()) -> None:
         assert chunk.value is not None
+        fields: dict[str, Any] = {"ak": list(acks)} if acks else {}
+        relay = chunk.relay
+        if relay is not None and 0 < len(relay) <= reply.relay_max:
+            # The round's pushes instead of their sum; the frames are immutable ZeroMQ
+            # messages, so nothing needs tracking.
+            fields["rl"] = len(relay)
+            frames = [frame for payloads in relay for frame in payloads]
+            self._send(reply.identity, wire.reply(reply.rid, fields, frames))
+            return
         current = chunk.value.current
-        fields = {"ak": list(acks)} if acks else None
         send = self._send(reply.identity, wire.reply(reply.rid, fields, [current]), track=True)
         if send is not None:
             chunk.value.track(send)
@@ -505,7 +515,7 @@ class ShardServer:
                 "dist_async applies every push on arrival and needs an optimizer: "
                 "call kv.set_optimizer(...) on every worker before pushing",
             )
-        reply = PendingReply(identity, msg.rid, rank, msg.op is Op.PUSHPULL)
+        reply = PendingReply(identity, msg.rid, rank, msg.op is Op.PUSHPULL, msg.get("rx", 0))
         if job.mode == "dist_async":
             self._spawn(self._push_async(chunk, reply, msg.payloads))
         else:
@@ -526,6 +536,7 @@ class ShardServer:
             first = chunk.accumulated == 0
             try:
                 await self._run(chunk, chunk.aggregator.add, payloads, first)
+                chunk.round_payloads.append(payloads)
             except Exception as exc:
                 logger.exception("decoding a push of %s failed", chunk.spec.name)
                 chunk.round_error = chunk.round_error or exc
@@ -535,7 +546,8 @@ class ShardServer:
 
     async def _complete_round(self, chunk: ChunkState) -> None:
         replies, error = chunk.round_replies, chunk.round_error
-        chunk.round_ranks, chunk.round_replies = set(), []
+        summed = chunk.round_payloads
+        chunk.round_ranks, chunk.round_replies, chunk.round_payloads = set(), [], []
         chunk.round_error, chunk.accumulated = None, 0
         intermediate = None
         if error is None:
@@ -543,6 +555,9 @@ class ShardServer:
                 intermediate = await self._run(chunk, chunk.aggregator.finish)
                 if intermediate is None:
                     await self._apply(chunk, chunk.aggregator.result)
+                    # Without an optimizer the new value is exactly the sum of these pushes.
+                    relayable = self._job.optimizer is None and chunk.master is None
+                    chunk.relay = summed if relayable and chunk.codec.relayable else None
                 else:  # copied: the aggregator reuses its buffers in the next round
                     intermediate = [
                         bytes(memoryview(getattr(f, "buffer", f))) for f in intermediate
@@ -572,6 +587,7 @@ class ShardServer:
                         f"which only dist_sync provides",
                     )
                 await self._apply(chunk, chunk.aggregator.result)
+                chunk.relay = None  # an optimizer's update: only the dense value says it
             except Exception as exc:
                 error = exc
             self._pushes_done(chunk, [reply], error)
@@ -615,7 +631,7 @@ class ShardServer:
 
     def _on_pull(self, identity: bytes, rank: int, msg: Message) -> None:
         chunk = self._ready_chunk(rank, msg)
-        reply = PendingReply(identity, msg.rid, rank, True)
+        reply = PendingReply(identity, msg.rid, rank, True, msg.get("rx", 0))
         if chunk.applied[rank] >= msg["af"]:
             self._send_value(reply, chunk)
         else:

@@ -33,6 +33,7 @@ from kvstore.codecs.base import frame_array
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.config import ClusterConfig, WorkerOptions
 from kvstore.errors import (
+    CodecError,
     ConnectionLostError,
     DuplicateInitError,
     KeyNotInitializedError,
@@ -100,6 +101,12 @@ class _KeyState:
     encoder_device: Any = None
     last_push: list[Request | None] = field(default_factory=list)
     pushes_sent: list[int] = field(default_factory=list)  # per chunk; a pull follows them all
+    relay_limits: list[int] = field(default_factory=list)  # per chunk; 0: pull dense values
+
+    def relay_offer(self, chunk: Chunk) -> dict[str, int]:
+        """The request field offering to take a relayed value of ``chunk`` (none: dense)."""
+        limit = self.relay_limits[chunk.index]
+        return {"rx": limit} if limit else {}
 
     @property
     def numel(self) -> int:
@@ -147,15 +154,39 @@ class _Landing:
         return land
 
     def write(self, chunk: Chunk, reply: Any) -> None:
-        """Check one reply's size and copy its values into ``out``."""
-        nbytes = chunk.numel * self.itemsize
-        if len(reply.payloads) != 1 or buffer_nbytes(reply.payloads[0]) != nbytes:
-            raise ProtocolError(
-                f"reply for key {self.state.key!r} chunk {chunk.index} has the wrong size"
-            )
-        self.target.write(chunk.start, chunk.stop, frame_array(reply.payloads[0], self.state.dtype))
+        """Check one reply's size and put its values into ``out``.
+
+        A dense reply is copied; a relayed one (``rl`` pushes) is decoded and summed into place.
+        """
+        relayed = reply.get("rl", 0)
+        if relayed:
+            nbytes = self._write_relay(chunk, reply.payloads, relayed)
+        else:
+            nbytes = chunk.numel * self.itemsize
+            if len(reply.payloads) != 1 or buffer_nbytes(reply.payloads[0]) != nbytes:
+                raise ProtocolError(
+                    f"reply for key {self.state.key!r} chunk {chunk.index} has the wrong size"
+                )
+            values = frame_array(reply.payloads[0], self.state.dtype)
+            self.target.write(chunk.start, chunk.stop, values)
         self.stats.pulled_bytes += nbytes
         self.stats.pull_messages += 1
+
+    def _write_relay(self, chunk: Chunk, frames: Sequence[Any], pushes: int) -> int:
+        state = self.state
+        where = f"relayed reply for key {state.key!r} chunk {chunk.index}"
+        if pushes > state.relay_limits[chunk.index] or len(frames) % pushes:
+            raise ProtocolError(
+                f"{where}: {len(frames)} frames of {pushes} pushes, and at most "
+                f"{state.relay_limits[chunk.index]} pushes were asked for"
+            )
+        per_push = len(frames) // pushes
+        groups = [frames[i : i + per_push] for i in range(0, len(frames), per_push)]
+        try:
+            state.codec.sum_relay(groups, chunk.numel, state.dtype, self.target.region(chunk))
+        except CodecError as exc:
+            raise ProtocolError(f"{where}: {exc}") from exc
+        return sum(buffer_nbytes(frame) for frame in frames)
 
 
 def _normalize_key(key: Any) -> Key:
@@ -440,7 +471,18 @@ class KVStore:
                 state.encoders = [None] * len(state.chunks)
                 state.last_push = [None] * len(state.chunks)
                 state.pushes_sent = [0] * len(state.chunks)
+                state.relay_limits = [self._relay_limit(state, chunk) for chunk in state.chunks]
                 self._keys[state.key] = state
+
+    def _relay_limit(self, state: _KeyState, chunk: Chunk) -> int:
+        """How many pushes a relayed pull of ``chunk`` may carry (0: always pull dense).
+
+        Relays are asked for only where this job's rounds (N pushes) fit the codec's limit.
+        """
+        if not self._options.pull_relay:
+            return 0
+        limit = state.codec.relay_limit(chunk.numel, state.dtype)
+        return limit if self.num_workers <= limit else 0
 
     # push / pull -------------------------------------------------------------------------------
 
@@ -501,10 +543,13 @@ class KVStore:
                 payloads = self._encoder(state, chunk, source).encode(
                     source[chunk.start : chunk.stop]
                 )
+                fields = {"k": state.key, "c": chunk.index, "n": chunk.numel}
+                if op is Op.PUSHPULL:
+                    fields.update(state.relay_offer(chunk))
                 request = self._transport.submit(
                     chunk.server,
                     op,
-                    {"k": state.key, "c": chunk.index, "n": chunk.numel},
+                    fields,
                     payloads,
                     priority=priority,
                     order_key=(state.key, chunk.index),
@@ -589,7 +634,12 @@ class KVStore:
                 self._transport.submit(
                     chunk.server,
                     Op.PULL,
-                    {"k": state.key, "c": chunk.index, "af": state.pushes_sent[chunk.index]},
+                    {
+                        "k": state.key,
+                        "c": chunk.index,
+                        "af": state.pushes_sent[chunk.index],
+                        **state.relay_offer(chunk),
+                    },
                     priority=priority,
                     what=f"pull of key {state.key!r} chunk {chunk.index}",
                     on_done=landing.callback(chunk),

@@ -209,6 +209,10 @@ class FlatTarget:
         else:
             np.copyto(self.flat[start:stop], data, casting="no")
 
+    def region(self, chunk: Any) -> Any:
+        """The flat array (numpy or CuPy) of ``chunk``'s elements, to write in place."""
+        return self.flat[chunk.start : chunk.stop]
+
     def finish(self) -> None:
         """Complete the write (copy staging into ``out`` when one was needed)."""
         if self._finish is not None:

@@ -39,6 +39,7 @@ def test_pushpull_benchmark_smoke():
     assert {"bare pyzmq", "bare pyzmq pipelined", "kvstore none", "kvstore 2bit"} <= configs
     summary = records[-1]
     assert summary["dense_over_bare_pyzmq"] > 0 and summary["twobit_over_dense"] > 0
+    assert summary["twobit_dense_pull_over_dense"] > 0
 
 
 def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):

@@ -154,19 +154,22 @@ def test_float16_and_integer_keys(servers_factory):
         assert i.tolist() == [2**41] * 6
 
 
-def test_traffic_stats_show_the_compression(one_server):
-    with connect([one_server]) as kv:
+@pytest.mark.parametrize("pull_relay", [False, True])
+def test_traffic_stats_show_the_compression(one_server, pull_relay):
+    with connect([one_server], pull_relay=pull_relay) as kv:
         kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
         assert kv.compression == {"type": "2bit", "threshold": 0.5}
         kv.init("w", np.zeros(1_000_000, np.float32))
         kv.push("w", np.ones(1_000_000, np.float32))
         out = np.empty(1_000_000, np.float32)
         kv.pull("w", out=out)
+        assert out.tolist() == [0.5] * 1_000_000
         stats = kv.stats()
         assert stats.pushed_raw_bytes == 4_000_000
         assert 250_000 <= stats.pushed_bytes < 251_000  # 2 bits per element + a header
         assert 15.9 < stats.compression_ratio <= 16
-        assert stats.pulled_bytes == 4_000_000
+        # a relayed pull brings the round's one push back instead of the dense sum
+        assert stats.pulled_bytes == (250_000 if pull_relay else 4_000_000)
         chunks = plan_chunks("w", 1_000_000, 1, bigarray_bound=10**6, partition_elems=1 << 20)
         assert stats.as_dict()["push_messages"] == len(chunks)  # one message per chunk
 
