@@ -31,7 +31,7 @@ from kvstore._malloc import tune_malloc
 from kvstore.codecs import Codec, Encoder, codec_from_spec
 from kvstore.codecs.base import frame_array
 from kvstore.codecs.identity import IdentityCodec
-from kvstore.config import ClusterConfig, WorkerOptions
+from kvstore.config import ClusterConfig, WorkerOptions, default_push_lead
 from kvstore.errors import (
     CodecError,
     ConnectionLostError,
@@ -267,6 +267,11 @@ class KVStore:
             identity,
             context,
             window_bytes=2 * self._options.partition_bytes,
+            lead_chunks=(
+                default_push_lead(cluster.num_workers)
+                if self._options.push_lead is None
+                else self._options.push_lead
+            ),
         )
         try:
             self._handshake()

@@ -13,6 +13,7 @@ from kvstore.config import (
     ServerConfig,
     WorkerOptions,
     cpu_kernels_from_env,
+    default_push_lead,
     server_threads_from_env,
 )
 from kvstore.errors import ConfigError
@@ -73,6 +74,19 @@ def test_worker_options_defaults_env_and_overrides():
         WorkerOptions.from_env({"KVSTORE_TIMEOUT": "-1"})
     with pytest.raises(ConfigError, match="KVSTORE_PARTITION_BYTES"):
         WorkerOptions.from_env({"KVSTORE_PARTITION_BYTES": "8"})
+
+
+def test_pull_relay_and_push_lead_settings():
+    assert WorkerOptions().pull_relay is True
+    assert WorkerOptions.from_env({"KVSTORE_PULL_RELAY": "off"}).pull_relay is False
+    assert WorkerOptions.from_env({"KVSTORE_PULL_RELAY": "0"}, pull_relay=True).pull_relay
+    with pytest.raises(ConfigError, match="KVSTORE_PULL_RELAY='maybe' must be 0 or 1"):
+        WorkerOptions.from_env({"KVSTORE_PULL_RELAY": "maybe"})
+    assert WorkerOptions().push_lead is None  # the default depends on the job's size
+    assert [default_push_lead(n) for n in (1, 2, 3, 8)] == [0, 0, 3, 3]
+    assert WorkerOptions.from_env({"KVSTORE_PUSH_LEAD": "0"}).push_lead == 0
+    with pytest.raises(ConfigError, match="KVSTORE_PUSH_LEAD"):
+        WorkerOptions.from_env({"KVSTORE_PUSH_LEAD": "-1"})
 
 
 def test_server_config_validation():
