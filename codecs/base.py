@@ -103,10 +103,11 @@ class Aggregator(ABC):
     Attributes:
         numel: elements of the chunk.
         dtype: the value dtype name.
-        result: the dense accumulator (``accumulator_dtype(dtype)``), valid after ``add``.
-            Between rounds the server may replace it with another array of the same length
-            and dtype (it publishes the old one as the key's value instead of copying it), so
-            ``add(first=True)`` must overwrite every element and nothing may cache the array.
+        result: the dense accumulator (``accumulator_dtype(dtype)``), holding the round's sum
+            once :meth:`finish` returned (an aggregator may defer work until then). Between
+            rounds the server may replace it with another array of the same length and dtype
+            (it publishes the old one as the key's value instead of copying it), so a round
+            must overwrite every element and nothing may cache the array.
     """
 
     def __init__(self, numel: int, dtype: str) -> None:

@@ -38,12 +38,29 @@ class _HostIdentityEncoder(Encoder):
 
 
 class _IdentityAggregator(Aggregator):
+    """Sums dense pushes; the first push of a round is held (a view of its frame) and summed
+    with the second in one pass, instead of being copied first and then added to."""
+
+    def __init__(self, numel: int, dtype: str) -> None:
+        super().__init__(numel, dtype)
+        self._held: np.ndarray | None = None
+
     def add(self, payloads: Payloads, first: bool) -> None:
         values = frame_array(payloads[0], np.dtype(self.dtype), self.numel)
         if first:
-            np.copyto(self.result, values)
+            self._held = values
+        elif self._held is not None:
+            # dtype: sum in the accumulator dtype (fp16 pushes are added in fp32)
+            np.add(self._held, values, out=self.result, dtype=self.result.dtype)
+            self._held = None
         else:
             np.add(self.result, values, out=self.result)
+
+    def finish(self) -> None:
+        if self._held is not None:  # a round of one push: the sum is that push
+            np.copyto(self.result, self._held)
+            self._held = None
+        return None
 
 
 @register_codec

@@ -60,8 +60,25 @@ def test_identity_codec_round_trip_and_sums_in_the_accumulator_dtype(dtype):
     aggregator = codec.make_aggregator(40, dtype)
     aggregator.add([bytes(payload)], first=True)
     aggregator.add([bytes(payload)], first=False)
+    assert aggregator.finish() is None
     assert aggregator.result.dtype == accumulator_dtype(dtype)
     assert aggregator.result.tolist() == [2 * (i - 20) for i in range(40)]
+
+
+@pytest.mark.parametrize("pushes", [1, 2, 3, 5])
+def test_identity_rounds_of_any_size_sum_exactly_and_reuse_the_accumulator(pushes):
+    codec = get_codec("none")
+    aggregator = codec.make_aggregator(33, "float16")
+    rng = np.random.default_rng(pushes)
+    for _ in range(2):  # the second round must not see the first
+        rounds = [rng.normal(0, 1, 33).astype(np.float16) for _ in range(pushes)]
+        for i, values in enumerate(rounds):
+            aggregator.add([values.tobytes()], first=i == 0)
+        aggregator.finish()
+        expected = rounds[0].astype(np.float32)
+        for values in rounds[1:]:
+            expected = expected + values.astype(np.float32)  # fp16 pushes summed in fp32
+        assert aggregator.result.tobytes() == expected.tobytes()
 
 
 def test_payload_sizes_are_validated():
