@@ -3,8 +3,13 @@
 Every host is a network namespace with a full-duplex link shaped to ``--rate`` Mbit/s (default
 1000) to a bridge (:mod:`netns`). Servers run on hosts of their own (``separate``) or on the
 workers' hosts (``colocated``: server i on worker host i). Each worker runs ``dist_sync`` steps
-of ``push`` of every key (backward order: last layer first) and ``pull`` of every key, with SGD
-(momentum 0.9) on the servers, uncompressed (``none``) or with 2-bit pushes (``2bit``).
+of ``push`` of every key (backward order: last layer first) and ``pull`` of every key. Codecs:
+
+* ``none``: uncompressed, SGD (momentum 0.9) on the servers, dense weights pulled;
+* ``2bit``: the same with 2-bit pushes;
+* ``2bit-agg``: 2-bit pushes and no server optimizer: workers pull the round's summed gradient
+  (what allreduce returns; they would step their own optimizer), which the servers relay as the
+  round's pushes (N/16 of the dense bytes while N <= 8).
 
 Workloads: ``key10m``, one 10M-element fp32 key; ``resnet50``, the 161 parameter tensors of
 ResNet-50 (25.6M parameters, ``shared/data/resnet50_param_shapes.json``).
@@ -55,7 +60,7 @@ BUCKET_BYTES = 25 * 1024 * 1024
 PRESETS = {
     "smoke": {
         "workloads": ["key1m"],
-        "codecs": ["none", "2bit"],
+        "codecs": ["none", "2bit", "2bit-agg"],
         "workers": [2],
         "servers": [1],
         "placements": ["separate"],
@@ -65,7 +70,7 @@ PRESETS = {
     },
     "full": {
         "workloads": ["key10m", "resnet50"],
-        "codecs": ["none", "2bit"],
+        "codecs": ["none", "2bit", "2bit-agg"],
         "workers": [1, 2, 4, 8],
         "servers": [1, 2, 4],
         "placements": ["separate", "colocated"],
@@ -91,6 +96,17 @@ def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
     raise ValueError(f"unknown workload {name!r}")
 
 
+CODECS = ("none", "2bit", "2bit-agg")
+BASELINES = ("gloo-fp32", "gloo-fp16")
+
+
+def codec_setup(name: str) -> tuple[str, bool]:
+    """(compression type, server optimizer?) of a codec name of :data:`CODECS`."""
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODECS)}")
+    return name.removesuffix("-agg"), not name.endswith("-agg")
+
+
 def floor_seconds(
     keys: list[tuple[str, tuple[int, ...]]],
     codec: str,
@@ -104,7 +120,8 @@ def floor_seconds(
     from kvstore.config import DEFAULT_BIGARRAY_BOUND, DEFAULT_PARTITION_BYTES
     from kvstore.topology import partition_elems_for, plan_chunks
 
-    push_codec = get_codec(codec) if codec == "none" else get_codec(codec, threshold=0.5)
+    compression, server_optimizer = codec_setup(codec)
+    push_codec = get_codec(compression, **({} if compression == "none" else {"threshold": 0.5}))
     up: dict[int, float] = {}
     down: dict[int, float] = {}
     for key, shape in keys:
@@ -118,7 +135,10 @@ def floor_seconds(
         )
         for chunk in chunks:
             push = sum(push_codec.payload_nbytes(chunk.numel, "float32"))
-            pull = 4 * chunk.numel
+            relayed = not server_optimizer and num_workers <= push_codec.relay_limit(
+                chunk.numel, "float32"
+            )
+            pull = num_workers * push if relayed else 4 * chunk.numel
             server_host = server_hosts[chunk.server]
             for worker in range(num_workers):
                 host = worker_hosts[worker]
@@ -144,9 +164,11 @@ def run_worker(args: argparse.Namespace) -> None:
     kv = kvstore.create(
         "dist_sync", servers=args.addresses.split(","), rank=args.rank, num_workers=args.num_workers
     )
-    if args.codec != "none":
-        kv.set_gradient_compression({"type": args.codec, "threshold": 0.5})
-    kv.set_optimizer("sgd", learning_rate=0.01, momentum=0.9, rescale_grad=1 / args.num_workers)
+    compression, server_optimizer = codec_setup(args.codec)
+    if compression != "none":
+        kv.set_gradient_compression({"type": compression, "threshold": 0.5})
+    if server_optimizer:
+        kv.set_optimizer("sgd", learning_rate=0.01, momentum=0.9, rescale_grad=1 / args.num_workers)
     rng = np.random.default_rng(args.rank)
     names = [k for k, _ in keys]
     params = [np.zeros(shape, np.float32) for _, shape in keys]
@@ -336,16 +358,26 @@ def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
 def orchestrate(args: argparse.Namespace) -> int:
     from netns import Cluster, available
 
-    why_not = available()
-    if why_not is not None:
-        emit({"bench": "cluster", "skipped": why_not})
-        return 0
     preset = PRESETS[args.preset]
     pick = {
         k: preset[k] if getattr(args, k) is None else getattr(args, k)
         for k in preset
         if k not in ("steps", "rate")
     }
+    try:  # unknown names fail here, before any host is built
+        for name in pick["codecs"]:
+            codec_setup(name)
+        for name in pick["workloads"]:
+            workload(name)
+        unknown = [b for b in pick["baselines"] if b not in BASELINES]
+        if unknown:
+            raise ValueError(f"unknown baselines {unknown}; expected {', '.join(BASELINES)}")
+    except ValueError as exc:
+        raise SystemExit(f"bench_cluster.py: {exc}") from None
+    why_not = available()
+    if why_not is not None:
+        emit({"bench": "cluster", "skipped": why_not})
+        return 0
     args.steps = args.steps or preset["steps"]
     rate = args.rate or preset["rate"]
     started = time.time()

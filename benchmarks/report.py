@@ -4,9 +4,9 @@
         --markdown results/cluster.md --plot results/cluster.png
 
 The table has one row per workload, workers, servers and placement: seconds per push+pull step
-for dense (``none``) and 2-bit pushes, each next to its wire floor and their ratio, and the gloo
-allreduce baselines for the same workers. The plot shows seconds per step against the floor
-(the dashed line is the floor itself).
+for each codec of the run (dense ``none``, ``2bit``, ``2bit-agg``), each next to its wire floor
+and their ratio, and the gloo allreduce baselines for the same workers. The plot shows seconds
+per step as bars, each with its floor as a black tick.
 """
 
 from __future__ import annotations
@@ -48,6 +48,23 @@ def _cell(record: dict | None) -> str:
     return f"{record['seconds_per_step']:.3f}" + (f" ({', '.join(notes)})" if notes else "")
 
 
+CODEC_LABELS = {
+    "none": "dense",
+    "2bit": "2-bit",
+    "2bit-agg": "2-bit agg",
+}
+"""Codec name -> its column title, in column order."""
+
+
+def _codecs(kv: list[dict]) -> list[str]:
+    present = {r["codec"] for r in kv}
+    return [c for c in CODEC_LABELS if c in present] + sorted(present - set(CODEC_LABELS))
+
+
+def _floor(record: dict | None) -> str:
+    return f"{record['floor_seconds']:.3f}" if record and "floor_seconds" in record else "-"
+
+
 def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
     rows: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in kv:
@@ -55,25 +72,22 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
     gloo: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in baselines:
         gloo[(r["workload"], r["workers"])][r["system"]] = r
-    lines = [
-        "| workload | workers | servers | placement | dense: s/step (x floor, cpu) | dense floor s "
-        "| 2-bit: s/step (x floor, cpu) | 2-bit floor s | gloo fp32 allreduce "
-        "| gloo fp16 allreduce |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    codecs = _codecs(kv)
+    header = ["workload", "workers", "servers", "placement"]
+    for codec in codecs:
+        label = CODEC_LABELS.get(codec, codec)
+        header += [f"{label}: s/step (x floor, cpu)", f"{label} floor s"]
+    header += ["gloo fp32 allreduce", "gloo fp16 allreduce"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key in sorted(rows, key=lambda k: (k[0], k[1], k[2], k[3])):
         workload, n, s, placement = key
-        dense, twobit = rows[key].get("none"), rows[key].get("2bit")
         g = gloo.get((workload, n), {})
-        floor_dense = f"{dense['floor_seconds']:.3f}" if dense and "floor_seconds" in dense else "-"
-        floor_2bit = (
-            f"{twobit['floor_seconds']:.3f}" if twobit and "floor_seconds" in twobit else "-"
-        )
-        lines.append(
-            f"| {workload} | {n} | {s} | {placement} | {_cell(dense)} | {floor_dense} "
-            f"| {_cell(twobit)} | {floor_2bit} | {_cell(g.get('gloo-fp32'))} "
-            f"| {_cell(g.get('gloo-fp16'))} |"
-        )
+        cells = [workload, str(n), str(s), placement]
+        for codec in codecs:
+            record = rows[key].get(codec)
+            cells += [_cell(record), _floor(record)]
+        cells += [_cell(g.get("gloo-fp32")), _cell(g.get("gloo-fp16"))]
+        lines.append("| " + " | ".join(cells) + " |")
     machine = meta.get("machine", {})
     lines.append("")
     lines.append(
@@ -81,7 +95,9 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
         f"shaped to {kv[0]['rate_mbit']:.0f} Mbit/s each way, MTU {kv[0].get('mtu', '?')}; "
         f"median over steps of the slowest worker. Gloo's floor is its ring's "
         f"2(N-1)/N x bytes / rate. cpu: the benchmark machine's CPU use during the run "
-        f"(all emulated hosts share its cores)."
+        f"(all emulated hosts share its cores). dense and 2-bit: SGD on the servers, weights "
+        f"pulled dense; 2-bit agg: no server optimizer, the round's summed gradient pulled as "
+        f"the relayed 2-bit pushes (dense from N = 9 on)."
         if kv
         else ""
     )
@@ -95,6 +111,9 @@ def plot(kv: list[dict], baselines: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     workloads = sorted({r["workload"] for r in kv})
+    codecs = _codecs(kv)
+    colors = ["tab:blue", "tab:orange", "tab:purple", "tab:red", "tab:brown"]
+    width = 0.8 / len(codecs)
     fig, axes = plt.subplots(len(workloads), 1, figsize=(13, 4.8 * len(workloads)), squeeze=False)
     for ax, workload in zip(axes[:, 0], workloads, strict=True):
         configs = sorted(
@@ -102,7 +121,8 @@ def plot(kv: list[dict], baselines: list[dict], path: str) -> None:
         )
         labels = [f"N{n} S{s}\n{'sep' if p == 'separate' else 'co'}" for n, s, p in configs]
         x = list(range(len(configs)))
-        for offset, codec, color in ((-0.2, "none", "tab:blue"), (0.2, "2bit", "tab:orange")):
+        for j, codec in enumerate(codecs):
+            offset = (j - (len(codecs) - 1) / 2) * width
             values, floors = [], []
             for n, s, p in configs:
                 match = [
@@ -114,10 +134,11 @@ def plot(kv: list[dict], baselines: list[dict], path: str) -> None:
                 ]
                 values.append(match[0]["seconds_per_step"] if match else float("nan"))
                 floors.append(match[0]["floor_seconds"] if match else float("nan"))
-            label = "dense fp32" if codec == "none" else "2-bit push"
-            ax.bar([i + offset for i in x], values, width=0.38, color=color, label=label)
-            ax.scatter([i + offset for i in x], floors, marker="_", s=260, color="black",
-                       label="wire floor" if codec == "none" else None, zorder=3)  # fmt: skip
+            xs = [i + offset for i in x]
+            ax.bar(xs, values, width=width * 0.95, color=colors[j % len(colors)],
+                   label=CODEC_LABELS.get(codec, codec))  # fmt: skip
+            ax.scatter(xs, floors, marker="_", s=160, color="black",
+                       label="wire floor" if j == 0 else None, zorder=3)  # fmt: skip
         for system, marker in (("gloo-fp32", "v"), ("gloo-fp16", "^")):
             xs, ys = [], []
             for i, (n, s, p) in enumerate(configs):
@@ -136,7 +157,7 @@ def plot(kv: list[dict], baselines: list[dict], path: str) -> None:
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel("seconds per push+pull step")
         ax.set_title(f"{workload}: kvstore vs the wire floor (N workers, S servers)")
-        ax.legend(fontsize=8, ncols=5)
+        ax.legend(fontsize=8, ncols=6)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

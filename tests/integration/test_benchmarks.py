@@ -49,7 +49,7 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
         assert records[0]["skipped"]
         return
     kv = [r for r in records if r.get("system") == "kvstore"]
-    assert {r["codec"] for r in kv} == {"none", "2bit"}
+    assert {r["codec"] for r in kv} == {"none", "2bit", "2bit-agg"}
     for r in kv:
         assert "error" not in r, r
         assert r["seconds_per_step"] > 0 and r["floor_seconds"] > 0
@@ -60,3 +60,24 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
         check=True,
     )
     assert "| key1m | 2 | 1 | separate |" in report.stdout
+
+
+def test_cluster_floors_count_the_bytes_each_codec_moves():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_cluster import floor_seconds
+
+    keys = [("w", (10_000_000,))]
+    rate = 125e6  # 1 Gbit/s
+    # 2 workers, 1 server on its own host: the server link carries both workers' traffic
+    dense, dense_bytes = floor_seconds(keys, "none", 2, [0], [1, 2], rate)
+    assert dense_bytes == 2 * 40e6 and dense == dense_bytes / rate
+    _, push_2bit = floor_seconds(keys, "2bit", 2, [0], [1, 2], rate)
+    assert push_2bit == 2 * 40e6  # the weights are pulled dense: the server's uplink
+    _, relayed = floor_seconds(keys, "2bit-agg", 2, [0], [1, 2], rate)
+    assert relayed == 2 * 2 * 2.5e6  # each worker pulls both pushes back
+    # 9 workers is past the relay limit (8): the sum is pulled dense again
+    _, nine = floor_seconds(keys, "2bit-agg", 9, [0], list(range(1, 10)), rate)
+    assert nine == 9 * 40e6
+    # a worker on the server's host crosses no link
+    _, colocated = floor_seconds(keys, "none", 1, [0], [0], rate)
+    assert colocated == 0
