@@ -536,7 +536,8 @@ class ShardServer:
             first = chunk.accumulated == 0
             try:
                 await self._run(chunk, chunk.aggregator.add, payloads, first)
-                chunk.round_payloads.append(payloads)
+                if chunk.codec.relayable:  # kept for relayed pulls of the round's sum
+                    chunk.round_payloads.append(payloads)
             except Exception as exc:
                 logger.exception("decoding a push of %s failed", chunk.spec.name)
                 chunk.round_error = chunk.round_error or exc

@@ -94,3 +94,20 @@ def test_torch_cuda_tensors():
         kv.pull("w", out=weight)
         assert weight.device.type == "cuda"
         assert weight.flatten().tolist() == [0.5] * 16
+
+
+@pytest.mark.parametrize("workers", [1, 2, 5, 8])
+def test_relayed_sum_on_the_gpu_matches_the_server_sum(workers):
+    codec = get_codec("2bit", threshold=0.02)
+    rng = np.random.default_rng(workers)
+    for n in LENGTHS[1:]:
+        pushes = []
+        for _ in range(workers):
+            g = rng.normal(0, 0.03, n).astype(np.float32)
+            pushes.append([twobit.encode(g, np.zeros(n, np.float32), 0.02).tobytes()])
+        aggregator = codec.make_aggregator(n, "float32")
+        for i, payloads in enumerate(pushes):
+            aggregator.add(payloads, first=i == 0)
+        out = cupy.full(n, cupy.nan, cupy.float32)
+        codec.sum_relay(pushes, n, "float32", out)
+        assert out.get().tobytes() == aggregator.result.tobytes()

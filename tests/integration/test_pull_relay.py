@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from kvtest import run_ranks
@@ -81,3 +83,38 @@ def test_a_server_optimizer_means_dense_pulls(servers_factory):
     for seen, nbytes in relayed:
         _assert_same_bits(seen, dense[0][0])
         assert nbytes == 4 * (BIG + SMALL) * (STEPS + 1)
+
+
+def test_torch_workers_aggregate_2bit_gradients_for_their_own_optimizer(servers_factory):
+    """The README's recipe: no server optimizer, pull the summed gradient into torch tensors."""
+    torch = pytest.importorskip("torch")
+    addresses = servers_factory(1, 2)
+    shapes = [(64, 33), (33,)]
+
+    def worker(rank):
+        with kvstore.create(
+            "dist_sync", servers=addresses, rank=rank, num_workers=2, timeout=60
+        ) as kv:
+            kv.set_gradient_compression({"type": "2bit", "threshold": 0.01})
+            names = ["w", "b"]
+            kv.init(names, [torch.zeros(s) for s in shapes])
+            grads = [torch.zeros(s) for s in shapes]
+            torch.manual_seed(rank)
+            pushed = [torch.randn(s) * 0.02 for s in shapes]
+            kv.push(names[::-1], pushed[::-1])
+            kv.pull(names, out=grads)
+            return [g.clone() for g in grads], pushed, kv.stats().pulled_bytes
+
+    results = run_ranks(2, worker)
+    grads, _, pulled = results[0]
+    assert all(torch.equal(a, b) for a, b in zip(grads, results[1][0], strict=True))
+    # one step from zero residuals: each worker sent +t, -t or 0 per element; the pull is the sum
+    t = torch.tensor(0.01)
+    for i, g in enumerate(grads):
+        quantized = [
+            torch.where(p[i] >= t, t, torch.where(p[i] <= -t, -t, torch.zeros(())))
+            for _, p, _ in results
+        ]
+        assert torch.equal(g, quantized[0] + quantized[1])
+    dense = 4 * sum(math.prod(s) for s in shapes)
+    assert pulled < dense / 2  # relayed: two pushes of 2 bits per element
