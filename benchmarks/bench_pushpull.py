@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -59,15 +60,23 @@ def _parts(elements: int) -> list[tuple[int, int]]:
     return [(lo, min(elements, lo + size)) for lo in range(0, elements, size)]
 
 
-def bare_server(workers: int, elements: int, steps: int, pipelined: bool) -> None:
-    import numpy as np
+def _bare_socket(kind: int) -> tuple[Any, Any]:
+    """(context, socket) as both bare roles use them: unbounded queues, kvstore's malloc tuning."""
     import zmq
 
     tune_malloc()
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
+    sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    return ctx, sock
+
+
+def bare_server(workers: int, elements: int, steps: int, pipelined: bool) -> None:
+    import numpy as np
+    import zmq
+
+    ctx, sock = _bare_socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     print(f"KVSTORE_READY tcp://127.0.0.1:{port}", flush=True)
     reply = np.ones(elements, np.float32)
@@ -89,11 +98,7 @@ def bare_worker(address: str, elements: int, steps: int, pipelined: bool) -> Non
     import numpy as np
     import zmq
 
-    tune_malloc()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    ctx, sock = _bare_socket(zmq.DEALER)
     sock.connect(address)
     value = np.ones(elements, np.float32)
     bounds = _parts(elements) if pipelined else [(0, elements)]
