@@ -3,9 +3,10 @@
 Each host is a network namespace with one veth link to a bridge in the root namespace. Both
 directions of every link are shaped to the same rate with a token bucket (``tbf``): the host's
 end shapes what it sends (its uplink), the bridge's end shapes what it receives (its downlink),
-so every host has a full-duplex link of ``rate`` like a NIC on a switch. Processes run in a host
-with ``ip netns exec``. Everything is torn down on exit (processes by pid, then namespaces, veths
-and the bridge), also when the benchmark fails.
+so every host has a full-duplex link of ``rate`` like a NIC on a switch. Under each shaper the
+queue is ``pfifo_fast``, which sends packets marked low-delay (IP TOS) first, like a Linux host.
+Processes run in a host with ``ip netns exec``. Everything is torn down on exit (processes by
+pid, then namespaces, veths and the bridge), also when the benchmark fails.
 
 Needs root (``ip netns``); :func:`available` says whether this machine allows it.
 """
@@ -96,11 +97,21 @@ class Cluster:
         return f"kv{tag}h{i}", f"kv{tag}b{i}"
 
     def _shape(self, netns: str | None, dev: str) -> None:
+        """Token bucket at the link rate, queueing by TOS under it as Linux's pfifo_fast does.
+
+        pfifo_fast (the classic default queue of a Linux NIC) keeps three bands picked by the
+        packet's TOS, so a host's low-delay packets pass its bulk ones. Its length is the
+        device's ``txqueuelen`` in packets, set here to hold ``queue_ms`` of full-size frames.
+        """
         prefix = ["ip", "netns", "exec", netns] if netns else []
-        rate = f"{self.rate_mbit}mbit"
-        latency = f"{self.queue_ms}ms"
-        _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-             "burst", str(self.burst_bytes), "latency", latency)  # fmt: skip
+        queue_bytes = self.rate_bytes_per_s * self.queue_ms / 1000
+        frames = str(max(16, int(queue_bytes // self.mtu)))
+        _run(*prefix, "ip", "link", "set", dev, "txqueuelen", frames)
+        _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf",
+             "rate", f"{self.rate_mbit}mbit", "burst", str(self.burst_bytes),
+             "latency", f"{self.queue_ms}ms")  # fmt: skip
+        _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "parent", "1:1", "handle", "10:",
+             "pfifo_fast")  # fmt: skip
 
     def __enter__(self) -> Cluster:
         try:

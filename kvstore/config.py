@@ -121,6 +121,15 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "the workers of a synchronous round in step where many share a server's link.",
     ),
     EnvVar(
+        "KVSTORE_PUSH_TOS",
+        "int 0-255",
+        "16 (0x10, low delay)",
+        "worker",
+        "IP TOS byte on the worker's connections: pushes are on every round's critical path, "
+        "so where a host's queue honours TOS (Linux pfifo_fast) they pass the server replies "
+        "that share its uplink; 0 leaves the packets unmarked.",
+    ),
+    EnvVar(
         "KVSTORE_PULL_RELAY",
         "0 or 1",
         "1",
@@ -143,6 +152,9 @@ ENV_VAR_NAMES = frozenset(v.name for v in ENV_VARS)
 DEFAULT_BIGARRAY_BOUND = 1_000_000
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 DEFAULT_CONNECT_TIMEOUT = 60.0
+# IPTOS_LOWDELAY: Linux maps it to TC_PRIO_INTERACTIVE, the first band of pfifo_fast, so a
+# host whose queue honours TOS sends pushes ahead of the bulk server replies sharing its uplink.
+DEFAULT_PUSH_TOS = 0x10
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -159,14 +171,20 @@ def _require(env: Mapping[str, str], name: str, what: str) -> str:
     return value
 
 
-def parse_int(name: str, raw: str, *, minimum: int | None = None) -> int:
-    """Parse an integer setting, raising ConfigError that names the setting and the value."""
+def parse_int(
+    name: str, raw: str, *, minimum: int | None = None, maximum: int | None = None, base: int = 10
+) -> int:
+    """Parse an integer setting, raising ConfigError that names the setting and the value.
+
+    ``base=0`` also takes prefixed literals (``0x10``), as Python source does."""
     try:
-        value = int(raw)
+        value = int(raw, base)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
     if minimum is not None and value < minimum:
         raise ConfigError(f"{name}={raw!r} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name}={raw!r} must be <= {maximum}")
     return value
 
 
@@ -273,6 +291,7 @@ class WorkerOptions:
         pull_relay: offer to take relayed pulls (a round's compressed pushes, summed here).
         push_lead: unanswered pushes per server connection, at most (0: no limit; None: the
             default for the job's size, see :func:`default_push_lead`).
+        push_tos: IP TOS byte of the worker's packets (0: unmarked); see :data:`DEFAULT_PUSH_TOS`.
     """
 
     bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
@@ -281,6 +300,7 @@ class WorkerOptions:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     pull_relay: bool = True
     push_lead: int | None = None
+    push_tos: int = DEFAULT_PUSH_TOS
 
     def __post_init__(self) -> None:
         if self.bigarray_bound < 1:
@@ -293,6 +313,8 @@ class WorkerOptions:
             raise ConfigError(f"connect_timeout must be > 0 seconds, got {self.connect_timeout}")
         if self.push_lead is not None and self.push_lead < 0:
             raise ConfigError(f"push_lead must be >= 0, got {self.push_lead}")
+        if not 0 <= self.push_tos <= 255:
+            raise ConfigError(f"push_tos must be a TOS byte in 0-255, got {self.push_tos}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> WorkerOptions:
@@ -315,6 +337,9 @@ class WorkerOptions:
         raw = _get(env, "KVSTORE_PUSH_LEAD")
         if raw is not None:
             values["push_lead"] = parse_int("KVSTORE_PUSH_LEAD", raw, minimum=0)
+        raw = _get(env, "KVSTORE_PUSH_TOS")
+        if raw is not None:
+            values["push_tos"] = parse_int("KVSTORE_PUSH_TOS", raw, minimum=0, maximum=255, base=0)
         raw = _get(env, "KVSTORE_PULL_RELAY")
         if raw is not None:
             values["pull_relay"] = parse_switch("KVSTORE_PULL_RELAY", raw)

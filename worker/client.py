@@ -272,6 +272,7 @@ class KVStore:
                 if self._options.push_lead is None
                 else self._options.push_lead
             ),
+            tos=self._options.push_tos,
         )
         try:
             self._handshake()

@@ -211,6 +211,7 @@ class Transport:
         window_bytes: data-lane payload bytes per server that may be handed to ZeroMQ and not
             yet written to the connection.
         lead_chunks: bulk pushes per server sent and not yet answered, at most (0: no limit).
+        tos: IP TOS byte of the packets this worker sends (0: unmarked).
     """
 
     def __init__(
@@ -221,6 +222,7 @@ class Transport:
         *,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         lead_chunks: int = LEAD_CHUNKS,
+        tos: int = 0,
     ) -> None:
         self.servers = tuple(servers)
         self._own_context = context is None
@@ -250,6 +252,8 @@ class Transport:
                 sock.setsockopt(zmq.SNDHWM, 0)
                 sock.setsockopt(zmq.RCVHWM, 0)
                 sock.setsockopt(zmq.LINGER, 0)
+                if tos:
+                    sock.setsockopt(zmq.TOS, tos)  # before connect: applies to the connection
                 entry = _Lane(rank, lane, sock, windowed=lane == LANE_DATA)
                 if address.startswith("tcp://"):
                     events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
