@@ -31,7 +31,7 @@ from kvstore._malloc import tune_malloc
 from kvstore.codecs import Codec, Encoder, codec_from_spec
 from kvstore.codecs.base import frame_array
 from kvstore.codecs.identity import IdentityCodec
-from kvstore.config import ClusterConfig, WorkerOptions, default_push_lead
+from kvstore.config import ClusterConfig, WorkerOptions, default_push_lead, default_push_tos
 from kvstore.errors import (
     CodecError,
     ConnectionLostError,
@@ -272,7 +272,11 @@ class KVStore:
                 if self._options.push_lead is None
                 else self._options.push_lead
             ),
-            tos=self._options.push_tos,
+            tos=(
+                default_push_tos(cluster.num_workers)
+                if self._options.push_tos is None
+                else self._options.push_tos
+            ),
         )
         try:
             self._handshake()
