@@ -536,8 +536,8 @@ class ShardServer:
             first = chunk.accumulated == 0
             try:
                 await self._run(chunk, chunk.aggregator.add, payloads, first)
-                if chunk.codec.relayable:  # kept for relayed pulls of the round's sum
-                    chunk.round_payloads.append(payloads)
+                if chunk.codec.relayable and self._job.optimizer is None:
+                    chunk.round_payloads.append(payloads)  # for relayed pulls of the sum
             except Exception as exc:
                 logger.exception("decoding a push of %s failed", chunk.spec.name)
                 chunk.round_error = chunk.round_error or exc
@@ -557,8 +557,10 @@ class ShardServer:
                 if intermediate is None:
                     await self._apply(chunk, chunk.aggregator.result)
                     # Without an optimizer the new value is exactly the sum of these pushes.
-                    relayable = self._job.optimizer is None and chunk.master is None
-                    chunk.relay = summed if relayable and chunk.codec.relayable else None
+                    # Without an optimizer the new value is exactly the sum of these pushes
+                    # (summed stays empty for codecs that cannot relay).
+                    relayable = summed and self._job.optimizer is None and chunk.master is None
+                    chunk.relay = summed if relayable else None
                 else:  # copied: the aggregator reuses its buffers in the next round
                     intermediate = [
                         bytes(memoryview(getattr(f, "buffer", f))) for f in intermediate

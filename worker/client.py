@@ -102,6 +102,7 @@ class _KeyState:
     last_push: list[Request | None] = field(default_factory=list)
     pushes_sent: list[int] = field(default_factory=list)  # per chunk; a pull follows them all
     relay_limits: list[int] = field(default_factory=list)  # per chunk; 0: pull dense values
+    send_order: tuple[Chunk, ...] = ()  # the chunks in push order (see _send_order)
 
     def relay_offer(self, chunk: Chunk) -> dict[str, int]:
         """The request field offering to take a relayed value of ``chunk`` (none: dense)."""
@@ -187,6 +188,21 @@ class _Landing:
         except CodecError as exc:
             raise ProtocolError(f"{where}: {exc}") from exc
         return sum(buffer_nbytes(frame) for frame in frames)
+
+
+def _send_order(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
+    """A key's chunks interleaved over its servers: every slice's first chunk, then every
+    slice's second, and so on (the same order on every worker).
+
+    The transport's shared window sends them in this order, so all servers receive at the
+    same pace (not at whatever pace TCP gives each connection) and every worker pushes a
+    given chunk at about the same time; rounds then complete in order, and after the last
+    pushes only the slices' small last chunks remain to be returned.
+    """
+    first_of_server: dict[int, int] = {}
+    for chunk in chunks:
+        first_of_server.setdefault(chunk.server, chunk.index)
+    return tuple(sorted(chunks, key=lambda c: (c.index - first_of_server[c.server], c.server)))
 
 
 def _normalize_key(key: Any) -> Key:
@@ -482,6 +498,7 @@ class KVStore:
                 state.last_push = [None] * len(state.chunks)
                 state.pushes_sent = [0] * len(state.chunks)
                 state.relay_limits = [self._relay_limit(state, chunk) for chunk in state.chunks]
+                state.send_order = _send_order(state.chunks)
                 self._keys[state.key] = state
 
     def _relay_limit(self, state: _KeyState, chunk: Chunk) -> int:
@@ -548,7 +565,7 @@ class KVStore:
         source = vals.flat_source(value)
         requests = []
         with vals.device_stream(value):
-            for chunk in self._send_order(state):
+            for chunk in state.send_order:
                 self._wait_push(state, chunk.index)
                 payloads = self._encoder(state, chunk, source).encode(
                     source[chunk.start : chunk.stop]
@@ -575,21 +592,6 @@ class KVStore:
                 self._stats.pushed_raw_bytes += chunk.numel * np.dtype(state.dtype).itemsize
                 self._stats.push_messages += 1
         return requests
-
-    @staticmethod
-    def _send_order(state: _KeyState) -> list[Chunk]:
-        """A key's chunks interleaved over its servers: every slice's first chunk, then every
-        slice's second, and so on (the same order on every worker).
-
-        The transport's shared window sends them in this order, so all servers receive at the
-        same pace (not at whatever pace TCP gives each connection) and every worker pushes a
-        given chunk at about the same time; rounds then complete in order, and after the last
-        pushes only the slices' small last chunks remain to be returned.
-        """
-        first_of_server: dict[int, int] = {}
-        for chunk in state.chunks:
-            first_of_server.setdefault(chunk.server, chunk.index)
-        return sorted(state.chunks, key=lambda c: (c.index - first_of_server[c.server], c.server))
 
     def _require_optimizer_for_async(self) -> None:
         if self.type == "dist_async" and self._optimizer is None:

@@ -208,8 +208,8 @@ class Transport:
             uses it with a suffix.
         context: a ZeroMQ context to use (``local`` mode shares one with its in-process
             server); by default the transport makes and terminates its own.
-        window_bytes: data-lane payload bytes per server that may be handed to ZeroMQ and not
-            yet written to the connection.
+        window_bytes: data-lane payload bytes, over all servers, that may be handed to ZeroMQ
+            and not yet written to a connection.
         lead_chunks: bulk pushes per server sent and not yet answered, at most (0: no limit).
         tos: IP TOS byte of the packets this worker sends (0: unmarked).
     """
