@@ -69,7 +69,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "4194304",
         "worker",
         "Largest chunk, in bytes of the uncompressed value. Each server's slice of a key is cut "
-        "into at least 16 chunks of at most this size (and at least a sixteenth of it), with "
+        "into 16 chunks of at most this size and at least a quarter of it (fewer where the "
+        "slice is short), with "
         "smaller chunks at both ends, so that encoding, sending, server-side decoding and "
         "replies overlap; the send window is twice this. Must be equal on all workers.",
     ),

@@ -556,7 +556,6 @@ class ShardServer:
                 intermediate = await self._run(chunk, chunk.aggregator.finish)
                 if intermediate is None:
                     await self._apply(chunk, chunk.aggregator.result)
-                    # Without an optimizer the new value is exactly the sum of these pushes.
                     # Without an optimizer the new value is exactly the sum of these pushes
                     # (summed stays empty for codecs that cannot relay).
                     relayable = summed and self._job.optimizer is None and chunk.master is None

@@ -10,6 +10,7 @@ import pytest
 from kvstore.topology import (
     WORD_ELEMS,
     chunk_sizes,
+    min_chunk_elems,
     plan_chunks,
     server_for_key,
     slice_partition,
@@ -87,31 +88,53 @@ def test_key_of_1_5m_elements_over_two_servers():
     assert slices == {0: (0, 750_000), 1: (750_000, 1_500_000)}
 
 
-def test_big_slices_are_cut_into_at_least_16_chunks_within_bounds():
+def test_big_slices_are_cut_into_16_chunks_within_bounds():
     p = 1 << 20
+    assert min_chunk_elems(p) == p // 4
     assert slice_partition(40 * p, p) == p  # capped by the partition size
     assert slice_partition(8 * p, p) == p // 2  # a sixteenth of the slice
-    assert slice_partition(p, p) == p // 16  # but no less than partition / 16
-    assert slice_partition(100, p) == p // 16
-    chunks = plan_chunks("w", 10_000_000, 4, bigarray_bound=MB, partition_elems=p)
+    assert slice_partition(p, p) == p // 4  # but no less than the shortest chunk
+    assert slice_partition(100, p) == p // 4
+    chunks = plan_chunks("w", 40_000_000, 4, bigarray_bound=MB, partition_elems=p)
     per_server = [[c for c in chunks if c.server == s] for s in range(4)]
     for mine in per_server:
         assert len(mine) >= 16
-        assert max(c.numel for c in mine) <= 2_500_000 // 16 + 16
+        assert max(c.numel for c in mine) <= 10_000_000 // 16 + 16
+
+
+def test_no_chunk_is_shorter_than_a_quarter_partition_unless_its_slice_is():
+    p = 1 << 20
+    for numel, servers in ((10_000_000, 1), (10_000_000, 4), (2_359_296, 1), (262_144, 1)):
+        chunks = plan_chunks("w", numel, servers, bigarray_bound=MB, partition_elems=p)
+        slices: dict[int, int] = {}
+        for c in chunks:
+            slices[c.server] = slices.get(c.server, 0) + c.numel
+        for c in chunks:
+            assert c.numel >= min(p // 4, slices[c.server]), (numel, servers, c)
+    # A middle-sized tensor is a few chunks, not a ramp of small ones.
+    middle = plan_chunks("w", 589_824, 1, bigarray_bound=MB, partition_elems=p)
+    assert [c.numel for c in middle] == [294_912, 294_912]
+    assert len(plan_chunks("w", 65_536, 1, bigarray_bound=MB, partition_elems=p)) == 1
 
 
 def test_chunk_sizes_ramp_up_and_down():
     p = 1 << 20
     e = p // 8
-    assert chunk_sizes(5 * p, p) == [e, 2 * e, 4 * e, p, p, p, 2 * e, 4 * e, 2 * e, e]
+    q = 13 * p // 16  # the 3.25 partitions between the ramps, cut evenly in 4
+    assert chunk_sizes(5 * p, p) == [e, 2 * e, 4 * e, q, q, q, q, 4 * e, 2 * e, e]
+    # Ramp steps below the minimum are left out.
+    r = 7 * p // 8  # 3.5 partitions cut evenly in 4
+    assert chunk_sizes(5 * p, p, p // 4) == [2 * e, 4 * e, r, r, r, r, 4 * e, 2 * e]
     assert chunk_sizes(100, p) == [100]
     assert chunk_sizes(0, p) == [0]
     assert chunk_sizes(40, 16) == [16, 24]  # the 8 left over join the last chunk
     for length in (10_000_000, 1_000_007, 5 * p + 3, 160_000, 33):
-        sizes = chunk_sizes(length, p)
-        assert sum(sizes) == length
-        assert all(s % 16 == 0 for s in sizes[:-1])  # boundaries on whole 2-bit words
-        assert max(sizes) <= p + 15
+        for minimum in (16, p // 4):
+            sizes = chunk_sizes(length, p, minimum)
+            assert sum(sizes) == length
+            assert all(s % 16 == 0 for s in sizes[:-1])  # boundaries on whole 2-bit words
+            assert max(sizes) <= p + 15
+            assert min(sizes) >= min(minimum, length)
 
 
 def test_keys_below_the_bound_stay_whole():
