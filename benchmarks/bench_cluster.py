@@ -97,6 +97,8 @@ def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 CODECS = ("none", "2bit", "2bit-agg")
+THRESHOLD = 0.5
+"""The 2-bit threshold of the workers' pushes (their payload sizes set the floor)."""
 BASELINES = ("gloo-fp32", "gloo-fp16")
 
 
@@ -121,7 +123,9 @@ def floor_seconds(
     from kvstore.topology import partition_elems_for, plan_chunks
 
     compression, server_optimizer = codec_setup(codec)
-    push_codec = get_codec(compression, **({} if compression == "none" else {"threshold": 0.5}))
+    push_codec = get_codec(
+        compression, **({} if compression == "none" else {"threshold": THRESHOLD})
+    )
     up: dict[int, float] = {}
     down: dict[int, float] = {}
     for key, shape in keys:
@@ -166,7 +170,7 @@ def run_worker(args: argparse.Namespace) -> None:
     )
     compression, server_optimizer = codec_setup(args.codec)
     if compression != "none":
-        kv.set_gradient_compression({"type": compression, "threshold": 0.5})
+        kv.set_gradient_compression({"type": compression, "threshold": THRESHOLD})
     if server_optimizer:
         kv.set_optimizer("sgd", learning_rate=0.01, momentum=0.9, rescale_grad=1 / args.num_workers)
     rng = np.random.default_rng(args.rank)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstore.errors import ConfigError
 
@@ -70,9 +70,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "worker",
         "Largest chunk, in bytes of the uncompressed value. Each server's slice of a key is cut "
         "into 16 chunks of at most this size and at least a quarter of it (fewer where the "
-        "slice is short), with "
-        "smaller chunks at both ends, so that encoding, sending, server-side decoding and "
-        "replies overlap; the send window is twice this. Must be equal on all workers.",
+        "slice is short), with smaller chunks at both ends, so that encoding, sending, "
+        "server-side decoding and replies overlap; the send window is twice this. Must be "
+        "equal on all workers.",
     ),
     EnvVar(
         "KVSTORE_TIMEOUT",
@@ -347,6 +347,15 @@ class WorkerOptions:
             values["pull_relay"] = parse_switch("KVSTORE_PULL_RELAY", raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+    def for_job(self, num_workers: int) -> WorkerOptions:
+        """These options with every "default by job size" (None) setting filled in for a job
+        of ``num_workers`` workers (:func:`default_push_lead`, :func:`default_push_tos`)."""
+        return replace(
+            self,
+            push_lead=default_push_lead(num_workers) if self.push_lead is None else self.push_lead,
+            push_tos=default_push_tos(num_workers) if self.push_tos is None else self.push_tos,
+        )
 
 
 def default_push_lead(num_workers: int) -> int:

@@ -31,7 +31,7 @@ from kvstore._malloc import tune_malloc
 from kvstore.codecs import Codec, Encoder, codec_from_spec
 from kvstore.codecs.base import frame_array
 from kvstore.codecs.identity import IdentityCodec
-from kvstore.config import ClusterConfig, WorkerOptions, default_push_lead, default_push_tos
+from kvstore.config import ClusterConfig, WorkerOptions
 from kvstore.errors import (
     CodecError,
     ConnectionLostError,
@@ -268,7 +268,8 @@ class KVStore:
         self.num_workers = cluster.num_workers
         self.num_servers = cluster.num_servers
         self._cluster = cluster
-        self._options = options or WorkerOptions()
+        # Settings left to the job's size (push lead, TOS) are fixed here, once.
+        self._options = (options or WorkerOptions()).for_job(cluster.num_workers)
         self._codec: Codec = IdentityCodec()
         self._keys: dict[Key, _KeyState] = {}
         self._optimizer: OptimizerSpec | None = None
@@ -283,16 +284,8 @@ class KVStore:
             identity,
             context,
             window_bytes=2 * self._options.partition_bytes,
-            lead_chunks=(
-                default_push_lead(cluster.num_workers)
-                if self._options.push_lead is None
-                else self._options.push_lead
-            ),
-            tos=(
-                default_push_tos(cluster.num_workers)
-                if self._options.push_tos is None
-                else self._options.push_tos
-            ),
+            lead_chunks=self._options.push_lead,
+            tos=self._options.push_tos,
         )
         try:
             self._handshake()

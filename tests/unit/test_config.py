@@ -87,6 +87,11 @@ def test_pull_relay_and_push_lead_settings():
     assert WorkerOptions.from_env({"KVSTORE_PUSH_LEAD": "0"}).push_lead == 0
     with pytest.raises(ConfigError, match="KVSTORE_PUSH_LEAD"):
         WorkerOptions.from_env({"KVSTORE_PUSH_LEAD": "-1"})
+    # for_job fills in only what was left to the job's size.
+    assert (WorkerOptions().for_job(8).push_lead, WorkerOptions().for_job(8).push_tos) == (3, 0x10)
+    assert (WorkerOptions().for_job(2).push_lead, WorkerOptions().for_job(2).push_tos) == (0, 0)
+    chosen = WorkerOptions(push_lead=0, push_tos=0xB8, partition_bytes=1 << 20).for_job(8)
+    assert (chosen.push_lead, chosen.push_tos, chosen.partition_bytes) == (0, 0xB8, 1 << 20)
 
 
 def test_server_config_validation():
