@@ -22,7 +22,7 @@ import os
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,8 +66,6 @@ class TrafficStats:
         pulled_bytes: value bytes received by pull/pushpull replies.
         push_messages: push/pushpull messages sent.
         pull_messages: pull replies received.
-        prefetched_pulls: chunk values a pull took from its push's reply instead of asking
-            (pull prefetch, see :meth:`KVStore.push`).
     """
 
     pushed_bytes: int = 0
@@ -75,7 +73,6 @@ class TrafficStats:
     pulled_bytes: int = 0
     push_messages: int = 0
     pull_messages: int = 0
-    prefetched_pulls: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -89,7 +86,6 @@ class TrafficStats:
             "pulled_bytes": self.pulled_bytes,
             "push_messages": self.push_messages,
             "pull_messages": self.pull_messages,
-            "prefetched_pulls": self.prefetched_pulls,
             "compression_ratio": self.compression_ratio,
         }
 
@@ -107,13 +103,6 @@ class _KeyState:
     pushes_sent: list[int] = field(default_factory=list)  # per chunk; a pull follows them all
     relay_limits: list[int] = field(default_factory=list)  # per chunk; 0: pull dense values
     send_order: tuple[Chunk, ...] = ()  # the chunks in push order (see _send_order)
-    # Pull prefetch (see KVStore.push): whether the last push of this key was followed by a
-    # pull before the next push, whether pushes ask for the value back, and per chunk the
-    # latest push's request when it did (None once a pull used it or a plain push followed).
-    pushed: bool = False
-    pulled_after_push: bool = False
-    prefetch: bool = False
-    prefetched: list[Request | None] = field(default_factory=list)
 
     def relay_offer(self, chunk: Chunk) -> dict[str, int]:
         """The request field offering to take a relayed value of ``chunk`` (none: dense)."""
@@ -132,9 +121,7 @@ class _Landing:
     """Puts a key's pulled chunks into ``out`` as their replies arrive.
 
     For host memory the copy runs on the transport's I/O thread as each reply comes in, so the
-    caller wakes once per key instead of once per chunk; GPU targets, and keys whose replies
-    were prefetched by their pushes (requests without a landing callback), are filled by the
-    caller.
+    caller wakes once per key instead of once per chunk; GPU targets are filled by the caller.
     """
 
     def __init__(self, state: _KeyState, out: Any, stats: TrafficStats) -> None:
@@ -503,7 +490,6 @@ class KVStore:
                 state.encoders = [None] * len(state.chunks)
                 state.last_push = [None] * len(state.chunks)
                 state.pushes_sent = [0] * len(state.chunks)
-                state.prefetched = [None] * len(state.chunks)
                 state.relay_limits = [self._relay_limit(state, chunk) for chunk in state.chunks]
                 state.send_order = _send_order(state.chunks)
                 self._keys[state.key] = state
@@ -590,10 +576,6 @@ class KVStore:
                     what=f"{op.name} of key {state.key!r} chunk {chunk.index}",
                     on_done=landing.callback(chunk) if landing is not None else None,
                 )
-                # A push+pull with nowhere to land is a prefetch: its reply waits for a pull.
-                # Set first: whatever happens next, no older reply may answer a later pull.
-                speculative = op is Op.PUSHPULL and landing is None
-                state.prefetched[chunk.index] = request if speculative else None
                 if request.failed():  # refused before sending (the server is gone)
                     request.wait()
                 state.last_push[chunk.index] = request
@@ -617,15 +599,6 @@ class KVStore:
         Returns once the values are encoded (their memory is free to reuse), without waiting
         for the network. Lists of keys are encoded and sent one after another and overlap.
 
-        Pull prefetch (``dist_sync`` and ``local``): once a key's push was followed by a pull
-        of it before its next push, later pushes of the key ask the server for the round's
-        value with the acknowledgement (a push+pull request), and the next pull takes that
-        reply instead of asking. A pull then costs no request, and the value starts back as
-        soon as each chunk's round is applied, not only once this call has encoded every
-        chunk and returned. It is the value the pull would get: in ``dist_sync`` a chunk's
-        value cannot change before this worker pushes it again. A push that is not followed
-        by a pull turns prefetch off for the key again (one unused reply is the cost).
-
         Args:
             key: a key or a list of keys (each initialised).
             value: an array/tensor per key, of the key's shape and dtype; GPU values are
@@ -639,10 +612,7 @@ class KVStore:
         for state, v in work:
             self._check_value(state, v, "value")
         for state, v in work:
-            if state.pushed:
-                state.prefetch = self.type != "dist_async" and state.pulled_after_push
-            state.pushed, state.pulled_after_push = True, False
-            self._send_pushes(state, v, Op.PUSHPULL if state.prefetch else Op.PUSH, priority)
+            self._send_pushes(state, v, Op.PUSH, priority)
 
     def pull(self, key: KeyArg, out: Any = None, priority: int = 0) -> None:
         """Pull values into ``out`` in place (same shape, dtype and type as at init).
@@ -664,32 +634,23 @@ class KVStore:
             self._check_value(state, o, "out")
         pending = []
         for state, o in work:
-            state.pulled_after_push = True
             landing = _Landing(state, o, self._stats)
-            prefetched = any(r is not None for r in state.prefetched)
-            if prefetched:
-                landing.on_io_thread = False  # the prefetched requests have no landing callback
-            requests = []
-            for chunk in state.chunks:
-                request = state.prefetched[chunk.index]
-                state.prefetched[chunk.index] = None  # a second pull asks the server again
-                if request is not None:
-                    self._stats.prefetched_pulls += 1
-                else:
-                    request = self._transport.submit(
-                        chunk.server,
-                        Op.PULL,
-                        {
-                            "k": state.key,
-                            "c": chunk.index,
-                            "af": state.pushes_sent[chunk.index],
-                            **state.relay_offer(chunk),
-                        },
-                        priority=priority,
-                        what=f"pull of key {state.key!r} chunk {chunk.index}",
-                        on_done=landing.callback(chunk),
-                    )
-                requests.append(request)
+            requests = [
+                self._transport.submit(
+                    chunk.server,
+                    Op.PULL,
+                    {
+                        "k": state.key,
+                        "c": chunk.index,
+                        "af": state.pushes_sent[chunk.index],
+                        **state.relay_offer(chunk),
+                    },
+                    priority=priority,
+                    what=f"pull of key {state.key!r} chunk {chunk.index}",
+                    on_done=landing.callback(chunk),
+                )
+                for chunk in state.chunks
+            ]
             pending.append((landing, requests))
         self._receive_values(pending)
 
@@ -705,7 +666,6 @@ class KVStore:
             self._check_value(state, o, "out")
         pending = []
         for state, v, o in work:
-            state.pushed, state.pulled_after_push = True, True
             landing = _Landing(state, o, self._stats)
             pending.append((landing, self._send_pushes(state, v, Op.PUSHPULL, priority, landing)))
         self._receive_values(pending)
@@ -775,7 +735,10 @@ class KVStore:
 
     def stats(self) -> TrafficStats:
         """A snapshot of the bytes this worker pushed and pulled so far."""
-        return replace(self._stats)
+        s = self._stats
+        return TrafficStats(
+            s.pushed_bytes, s.pushed_raw_bytes, s.pulled_bytes, s.push_messages, s.pull_messages
+        )
 
     @property
     def optimizer(self) -> OptimizerSpec | None:
