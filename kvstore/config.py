@@ -362,10 +362,11 @@ def default_push_lead(num_workers: int) -> int:
     """Unanswered pushes per server connection a worker allows by default (0: no limit).
 
     The limit keeps the workers of a synchronous round in step when many of them share one
-    server's link (TCP shares it unevenly and a round waits for the slowest): measured on 8
-    workers x 4 servers over 1 Gbit/s links, dense steps went from 1.69x to 1.33x the wire
-    floor. With two workers it only adds pipeline bubbles (loopback, 2 workers x 1 server,
-    10M elements: 5-10% slower dense steps), so small jobs run without it.
+    server's link (TCP shares it unevenly and a round waits for the slowest): measured with a
+    10M-element key over 1 Gbit/s links, dense steps went from 1.61-1.69x to 1.41-1.49x the
+    wire floor with 8 workers x 4 servers, and from 1.31-1.33x to 1.16x with 8 x 2. With two
+    workers it only adds pipeline bubbles (an earlier measurement, loopback, 2 workers x 1
+    server: 5-10% slower dense steps), so small jobs run without it.
     """
     return 3 if num_workers >= 3 else 0
 
