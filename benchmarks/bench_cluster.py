@@ -297,8 +297,6 @@ def _collect(
 
 
 def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
-    from kvstore.config import DEFAULT_PARTITION_BYTES  # noqa: F401  (documented default)
-
     if placement == "separate":
         server_hosts, worker_hosts = list(range(s)), list(range(s, s + n))
     else:

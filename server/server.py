@@ -558,7 +558,9 @@ class ShardServer:
                     await self._apply(chunk, chunk.aggregator.result)
                     # Without an optimizer the new value is exactly the sum of these pushes
                     # (summed stays empty for codecs that cannot relay).
-                    relayable = summed and self._job.optimizer is None and chunk.master is None
+                    relayable = (
+                        bool(summed) and self._job.optimizer is None and chunk.master is None
+                    )
                     chunk.relay = summed if relayable else None
                 else:  # copied: the aggregator reuses its buffers in the next round
                     intermediate = [

@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from kvstore.config import DEFAULT_PUSH_TOS, WorkerOptions, default_push_tos
+from kvstore.config import DEFAULT_PUSH_TOS
 from kvstore.worker.transport import Transport
 
 pytestmark = pytest.mark.integration
@@ -53,18 +53,3 @@ def test_worker_connections_are_marked(tos):
         transport.close()
         router.close(0)
         context.term()
-
-
-def test_push_tos_setting():
-    assert WorkerOptions().push_tos is None  # the default depends on the job's size
-    assert [default_push_tos(n) for n in (1, 2, 3, 8)] == [0, 0, 0x10, 0x10]
-    assert DEFAULT_PUSH_TOS == 0x10
-    assert WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "0"}).push_tos == 0
-    assert WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "0xb8"}).push_tos == 0xB8
-    assert WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "184"}).push_tos == 0xB8
-    with pytest.raises(ValueError, match="KVSTORE_PUSH_TOS='256' must be <= 255"):
-        WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "256"})
-    with pytest.raises(ValueError, match="KVSTORE_PUSH_TOS='low' is not an integer"):
-        WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "low"})
-    with pytest.raises(ValueError, match="push_tos must be a TOS byte"):
-        WorkerOptions(push_tos=-1)

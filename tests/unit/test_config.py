@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import (
+    DEFAULT_PUSH_TOS,
     ENV_VARS,
     ClusterConfig,
     ServerConfig,
     WorkerOptions,
     cpu_kernels_from_env,
     default_push_lead,
+    default_push_tos,
     server_threads_from_env,
 )
 from kvstore.errors import ConfigError
@@ -114,3 +116,18 @@ def test_readme_documents_every_variable():
     table = readme[readme.index("| variable") :]
     for var in ENV_VARS:
         assert f"`{var.name}`" in table, f"README's table lacks {var.name}"
+
+
+def test_push_tos_setting():
+    assert WorkerOptions().push_tos is None  # the default depends on the job's size
+    assert [default_push_tos(n) for n in (1, 2, 3, 8)] == [0, 0, 0x10, 0x10]
+    assert DEFAULT_PUSH_TOS == 0x10
+    assert WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "0"}).push_tos == 0
+    assert WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "0xb8"}).push_tos == 0xB8
+    assert WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "184"}).push_tos == 0xB8
+    with pytest.raises(ValueError, match="KVSTORE_PUSH_TOS='256' must be <= 255"):
+        WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "256"})
+    with pytest.raises(ValueError, match="KVSTORE_PUSH_TOS='low' is not an integer"):
+        WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "low"})
+    with pytest.raises(ValueError, match="push_tos must be a TOS byte"):
+        WorkerOptions(push_tos=-1)
