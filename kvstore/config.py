@@ -131,6 +131,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "that share its uplink; 0 leaves the packets unmarked.",
     ),
     EnvVar(
+        "KVSTORE_SEND_QUEUE_MS",
+        "float >= 0",
+        "0",
+        "worker",
+        "Opt-in: size the pushes a worker hands to its connections to this many milliseconds "
+        "of its send rate (within 1 MiB and twice KVSTORE_PARTITION_BYTES), with at most 128 "
+        "KiB unsent in the kernel per connection to another host, so that a worker's pushes "
+        "to several servers keep their submission order where its own uplink is the busiest "
+        "link; 0 keeps a fixed window of twice KVSTORE_PARTITION_BYTES.",
+    ),
+    EnvVar(
         "KVSTORE_PULL_RELAY",
         "0 or 1",
         "1",
@@ -294,6 +305,9 @@ class WorkerOptions:
             default for the job's size, see :func:`default_push_lead`).
         push_tos: IP TOS byte of the worker's packets (0: unmarked; None: the default for the
             job's size, see :func:`default_push_tos`).
+        send_queue_ms: pushes queued for the connections, in milliseconds of the measured
+            send rate (0: a fixed ``2 * partition_bytes``; see
+            :class:`kvstore.worker.send_window.SendWindow`).
     """
 
     bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
@@ -303,6 +317,7 @@ class WorkerOptions:
     pull_relay: bool = True
     push_lead: int | None = None
     push_tos: int | None = None
+    send_queue_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bigarray_bound < 1:
@@ -317,6 +332,8 @@ class WorkerOptions:
             raise ConfigError(f"push_lead must be >= 0, got {self.push_lead}")
         if self.push_tos is not None and not 0 <= self.push_tos <= 255:
             raise ConfigError(f"push_tos must be a TOS byte in 0-255, got {self.push_tos}")
+        if not self.send_queue_ms >= 0:
+            raise ConfigError(f"send_queue_ms must be >= 0, got {self.send_queue_ms}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> WorkerOptions:
@@ -342,6 +359,9 @@ class WorkerOptions:
         raw = _get(env, "KVSTORE_PUSH_TOS")
         if raw is not None:
             values["push_tos"] = parse_int("KVSTORE_PUSH_TOS", raw, minimum=0, maximum=255, base=0)
+        raw = _get(env, "KVSTORE_SEND_QUEUE_MS")
+        if raw is not None:
+            values["send_queue_ms"] = parse_float("KVSTORE_SEND_QUEUE_MS", raw, minimum=0.0)
         raw = _get(env, "KVSTORE_PULL_RELAY")
         if raw is not None:
             values["pull_relay"] = parse_switch("KVSTORE_PULL_RELAY", raw)

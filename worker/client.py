@@ -286,6 +286,7 @@ class KVStore:
             window_bytes=2 * self._options.partition_bytes,
             lead_chunks=self._options.push_lead,
             tos=self._options.push_tos,
+            queue_seconds=self._options.send_queue_ms / 1000,
         )
         try:
             self._handshake()

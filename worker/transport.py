@@ -9,16 +9,22 @@ pulls and the other small requests on the *control* connection, so a pull reques
 behind megabytes of pushes in one TCP stream, and a full-duplex link carries pushes and pull
 replies at the same time instead of one after the other.
 
-Flow control: at most ``window_bytes`` of data-lane payload, over all servers, are handed to
-ZeroMQ and not yet written to a connection (ZeroMQ's message trackers say when they were); the
-rest waits in the transport's own queues (:class:`~kvstore.worker.send_queue.SendQueue`). The
-next message is the best across all servers' data lanes: higher ``priority`` first, small
-messages before bulk ones, then submission order. Because the window is shared, the order in
-which the client submits chunks is the order they go out (the client interleaves a key's slices
-so that all servers receive at the same pace). A server's data lane also holds back bulk pushes
-while ``lead_chunks`` of its pushes are unanswered, so a worker whose TCP flows are faster does
-not run ahead of the others that a synchronous round waits for. Control-lane messages are never
-held back.
+Flow control: at most a window of data-lane payload, over all servers, is handed to ZeroMQ and
+not yet written to a connection (ZeroMQ's message trackers say when it was); the rest waits in
+the transport's own queues (:class:`~kvstore.worker.send_queue.SendQueue`). The next message is
+the best across all servers' data lanes: higher ``priority`` first, small messages before bulk
+ones, then submission order. Because the window is shared, the order in which the client
+submits chunks is the order they go out (the client interleaves a key's slices so that all
+servers receive at the same pace), give or take the window: TCP shares a worker's uplink among
+its connections unevenly, and what one connection gets ahead by is what another server's
+rounds wait for at the end of a step. So with ``queue_seconds`` the window is that much of the
+measured send rate (:class:`~kvstore.worker.send_window.SendWindow`), and the kernel
+keeps at most :data:`NOTSENT_LOWAT` unsent bytes per data connection to another host
+(``TCP_NOTSENT_LOWAT``), so "written to a connection" means close to on the wire.
+
+A server's data lane also holds back bulk pushes while ``lead_chunks`` of its pushes are
+unanswered, so a worker whose TCP flows are faster does not run ahead of the others that a
+synchronous round waits for. Control-lane messages are never held back.
 
 Payload buffers are sent without copies. The caller keeps them alive and unchanged until the
 request completes (the encoders do: a chunk is not re-encoded before its previous push was
@@ -32,9 +38,11 @@ dead server never leaves a worker hanging.
 from __future__ import annotations
 
 import collections
+import ipaddress
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,11 +61,16 @@ from kvstore.errors import (
 )
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op
 from kvstore.worker.send_queue import SendQueue
+from kvstore.worker.send_window import SendWindow
 
 EXPRESS_BYTES = 64 * 1024
 """Messages with at most this much payload skip ahead of bulk ones and are not windowed."""
 
 DEFAULT_WINDOW_BYTES = 8 * 1024 * 1024
+
+NOTSENT_LOWAT = 128 * 1024
+"""Unsent bytes the kernel may hold per data connection to another host (with a send queue in
+time): about 1 ms at 1 Gbit/s, enough to keep the link busy between the I/O thread's turns."""
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +212,42 @@ class _Lane:
         return len(kept) >= limit and now - self.last_answer < patience
 
 
+def _crosses_a_link(peer: str, own: str) -> bool:
+    """Whether a connection from address ``own`` to ``peer`` leaves the host."""
+    return peer != own and not ipaddress.ip_address(peer).is_loopback
+
+
+def _limit_unsent(fd: int) -> None:
+    """Let the kernel hold at most :data:`NOTSENT_LOWAT` unsent bytes on TCP connection ``fd``
+    if it goes to another host.
+
+    ZeroMQ then writes a message into the connection only as the link takes it, and the
+    transport's window, not the kernel's send buffer (megabytes, per connection), decides which
+    server's pushes go next. Connections within a host (loopback, or a server on the worker's
+    own address) share no link and are left alone: there the limit only costs wake-ups.
+    ``fd`` is ZeroMQ's, reported by its monitor; it is borrowed, never closed. Anything
+    unexpected (the connection closed meanwhile, no such option on this system) leaves the
+    connection as it was.
+    """
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if option is None:
+        return
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return
+        if not _crosses_a_link(sock.getpeername()[0], sock.getsockname()[0]):
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, option, NOTSENT_LOWAT)
+    except (OSError, ValueError):
+        pass
+    finally:
+        sock.detach()
+
+
 class Transport:
     """Sockets to all servers and the I/O thread that drives them.
 
@@ -212,6 +261,9 @@ class Transport:
             and not yet written to a connection.
         lead_chunks: bulk pushes per server sent and not yet answered, at most (0: no limit).
         tos: IP TOS byte of the packets this worker sends (0: unmarked).
+        queue_seconds: size the window to this much of the send rate measured while it was
+            full, and limit the kernel's unsent bytes per data connection to another host
+            (0: a fixed ``window_bytes``, kernel buffers as the system sets them).
     """
 
     def __init__(
@@ -223,13 +275,16 @@ class Transport:
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         lead_chunks: int = LEAD_CHUNKS,
         tos: int = 0,
+        queue_seconds: float = 0.0,
     ) -> None:
         self.servers = tuple(servers)
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._window = window_bytes
+        self._window = SendWindow(window_bytes, queue_seconds)
+        self._window_full = False  # the window held a message back since the last flush
+        self._cap_kernel_unsent = queue_seconds > 0
         self._lead = lead_chunks if lead_chunks > 0 else 1 << 62
         self._in_flight_bytes = 0  # data-lane payload handed to ZeroMQ, not yet written
         self._seq = itertools.count()  # one submission order across all queues
@@ -396,12 +451,16 @@ class Transport:
         until the lead limit lapses while only that holds one back (answers arrive on sockets),
         else a second.
         """
+        written = 0
         for pair in self._lanes:
             for lane in pair:
                 while lane.in_flight and lane.in_flight[0][0].done:  # sent in order per socket
-                    self._in_flight_bytes -= lane.in_flight.popleft()[1]
+                    written += lane.in_flight.popleft()[1]
+        self._in_flight_bytes -= written
         lanes = [lane for pair in self._lanes for lane in pair]
         now = time.monotonic()
+        self._window.observe(written, now, self._window_full)
+        self._window_full = False
         while True:
             with self._lock:
                 ready = [lane for lane in lanes if lane.queue]
@@ -414,10 +473,11 @@ class Transport:
                     if not (lane.windowed and bulk):
                         break
                     used = self._in_flight_bytes
-                    if used and used + bulk > self._window:
+                    if used and used + bulk > self._window.bytes:
                         # The best message must wait; control messages may still go.
                         ready = [x for x in ready if not x.windowed]
                         wait_ms = 1
+                        self._window_full = True
                     elif lane.lead_blocked(self._lead, now, LEAD_PATIENCE_S):
                         ready.remove(lane)
                         lapse = LEAD_PATIENCE_S - (now - lane.last_answer)
@@ -492,6 +552,8 @@ class Transport:
                 return
             if event["event"] == zmq.EVENT_CONNECTED:
                 self._connected.add((rank, lane.lane))
+                if self._cap_kernel_unsent and lane.lane == LANE_DATA:
+                    _limit_unsent(event["value"])
             elif event["event"] == zmq.EVENT_DISCONNECTED and (rank, lane.lane) in self._connected:
                 reason = (
                     f"server {rank} ({self.servers[rank]}) closed the connection "

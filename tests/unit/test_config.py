@@ -118,6 +118,16 @@ def test_readme_documents_every_variable():
         assert f"`{var.name}`" in table, f"README's table lacks {var.name}"
 
 
+def test_send_queue_setting():
+    assert WorkerOptions().send_queue_ms == 0  # opt-in
+    assert WorkerOptions().for_job(2).send_queue_ms == 0
+    assert WorkerOptions.from_env({"KVSTORE_SEND_QUEUE_MS": "12.5"}).send_queue_ms == 12.5
+    with pytest.raises(ConfigError, match="KVSTORE_SEND_QUEUE_MS"):
+        WorkerOptions.from_env({"KVSTORE_SEND_QUEUE_MS": "-1"})
+    with pytest.raises(ConfigError, match="send_queue_ms"):
+        WorkerOptions(send_queue_ms=-1)
+
+
 def test_push_tos_setting():
     assert WorkerOptions().push_tos is None  # the default depends on the job's size
     assert [default_push_tos(n) for n in (1, 2, 3, 8)] == [0, 0, 0x10, 0x10]
