@@ -227,7 +227,9 @@ def _limit_unsent(fd: int) -> None:
     own address) share no link and are left alone: there the limit only costs wake-ups.
     ``fd`` is ZeroMQ's, reported by its monitor; it is borrowed, never closed. Anything
     unexpected (the connection closed meanwhile, no such option on this system) leaves the
-    connection as it was.
+    connection as it was; should ZeroMQ have closed it and the number been reused by another
+    TCP connection to another host before the event is read, that one gets the limit, which
+    only delays its writes into the kernel.
     """
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
     if option is None:
