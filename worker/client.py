@@ -194,10 +194,12 @@ def _send_order(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
     """A key's chunks interleaved over its servers: every slice's first chunk, then every
     slice's second, and so on (the same order on every worker).
 
-    The transport's shared window sends them in this order, so all servers receive at the
-    same pace (not at whatever pace TCP gives each connection) and every worker pushes a
-    given chunk at about the same time; rounds then complete in order, and after the last
-    pushes only the slices' small last chunks remain to be returned.
+    The transport's shared window hands them to the connections in this order, so every
+    worker pushes a given chunk at about the same time; rounds then complete in order, and
+    after the last pushes only the slices' small last chunks remain to be returned. The order
+    holds on the wire only up to the window and the kernel's send buffers, within which TCP
+    shares the uplink among the connections as it likes; ``KVSTORE_SEND_QUEUE_MS`` narrows
+    both (see :mod:`kvstore.worker.transport`).
     """
     first_of_server: dict[int, int] = {}
     for chunk in chunks:
