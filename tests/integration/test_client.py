@@ -11,6 +11,7 @@ import pytest
 from kvtest import run_ranks
 
 import kvstore
+from kvstore.server.server import INLINE_ELEMS
 from kvstore.topology import plan_chunks
 
 pytestmark = pytest.mark.integration
@@ -58,6 +59,39 @@ def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):
     for results in run_ranks(2, worker):
         for step, out in enumerate(results):
             np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) * 3 + 2 * step)
+
+
+@pytest.mark.parametrize("compression", [None, "2bit"])
+def test_chunks_longer_than_the_inline_limit_are_summed_on_the_thread_pool(
+    servers_factory, compression
+):
+    """With a large partition a chunk exceeds INLINE_ELEMS and its decode, sum and optimizer
+    step run on the server's pool threads instead of its event loop: same results."""
+    addresses = servers_factory(1, 2)
+    n = INLINE_ELEMS + 4096
+    grad = np.where(np.arange(n) % 3 == 0, 0.5, -0.5).astype(np.float32)  # exact in 2-bit
+    chunks = plan_chunks("sum", n, 1, bigarray_bound=10**6, partition_elems=4 * n)
+    assert [c.numel for c in chunks] == [n]  # one chunk, longer than the limit
+
+    def worker(rank):
+        with connect(addresses, rank, 2, partition_bytes=16 * n) as kv:
+            if compression:
+                kv.set_gradient_compression({"type": compression, "threshold": 0.5})
+            kv.init(["sum", "sgd"], [np.zeros(n, np.float32), np.ones(n, np.float32)])
+            kv.push("sum", grad * (rank + 1))
+            total = np.empty(n, np.float32)
+            kv.pull("sum", out=total)
+            kv.set_optimizer("sgd", learning_rate=0.5)
+            kv.push("sgd", grad)
+            weights = np.empty(n, np.float32)
+            kv.pull("sgd", out=weights)
+            return total, weights
+
+    for total, weights in run_ranks(2, worker):
+        # 2-bit sends each worker's push as +-threshold: 0.5 and 1.0 both become 0.5
+        expected = grad * (2 if compression else 3)
+        np.testing.assert_array_equal(total, expected)
+        np.testing.assert_array_equal(weights, 1 - 0.5 * 2 * grad)
 
 
 def test_pull_waits_for_the_round_and_reads_own_pushes(servers_factory):
