@@ -69,16 +69,17 @@ from kvstore.wire import Message, Op
 logger = logging.getLogger(__name__)
 
 INLINE_ELEMS = 1 << 20
-"""Chunks up to this many elements (one default partition of fp32) are decoded, summed and
-updated on the loop thread; longer ones go to the thread pool.
+"""Chunks up to this many elements (one default partition of fp32) are decoded, summed and updated
+on the loop thread; longer ones go to the thread pool.
 
 A hand-off to the pool wakes a pool thread and then the loop again; on a host whose cores are
-busy that costs more CPU than summing a chunk of this size (about 0.5 ms), and the loop thread
-would only wait for the result. Measured on 2 cores, 1 Gbit/s links, 2 runs each, x floor:
-key10m 4 workers x 4 servers dense 1.60/1.54 -> 1.43/1.38 with chunks up to this size inline
-instead of up to 65,536 elements; 8 x 4 2-bit 1.22/1.19 -> 1.14/1.15; ResNet-50 8 x 4 dense
-1.42/1.39 -> 1.34/1.31; cells with idle CPU unchanged. Jobs with a larger
-``KVSTORE_PARTITION_BYTES`` (fast links) still decode on several threads."""
+busy that costs more CPU than summing a chunk of this size (about 0.4 ms: ``a += b`` over 2^20
+fp32, from ``benchmarks/bench_codecs.py``), and the loop thread would only wait for the result.
+Measured on 2 cores, 1 Gbit/s links, 2 runs each, x floor: key10m 4 workers x 4 servers dense
+1.60/1.54 -> 1.43/1.38 with chunks up to this size inline instead of up to 65,536 elements; 8x4
+2-bit 1.22/1.19 -> 1.14/1.15; ResNet-50 8x4 dense 1.42/1.39 -> 1.34/1.31; cells with idle CPU
+unchanged. Longer chunks (a larger ``KVSTORE_PARTITION_BYTES``, for fast links) still run on
+several threads at once."""
 
 DRAIN_BATCH = 256
 """Messages handled per wake-up before other callbacks get a turn."""

@@ -11,8 +11,9 @@ import pytest
 from kvtest import run_ranks
 
 import kvstore
+from kvstore.config import DEFAULT_BIGARRAY_BOUND
 from kvstore.server.server import INLINE_ELEMS
-from kvstore.topology import plan_chunks
+from kvstore.topology import partition_elems_for, plan_chunks
 
 pytestmark = pytest.mark.integration
 
@@ -70,11 +71,15 @@ def test_chunks_longer_than_the_inline_limit_are_summed_on_the_thread_pool(
     addresses = servers_factory(1, 2)
     n = INLINE_ELEMS + 4096
     grad = np.where(np.arange(n) % 3 == 0, 0.5, -0.5).astype(np.float32)  # exact in 2-bit
-    chunks = plan_chunks("sum", n, 1, bigarray_bound=10**6, partition_elems=4 * n)
+    partition_bytes = 16 * n  # a quarter partition (the shortest chunk) is n elements
+    partition = partition_elems_for(partition_bytes, 4)
+    chunks = plan_chunks(
+        "sum", n, 1, bigarray_bound=DEFAULT_BIGARRAY_BOUND, partition_elems=partition
+    )
     assert [c.numel for c in chunks] == [n]  # one chunk, longer than the limit
 
     def worker(rank):
-        with connect(addresses, rank, 2, partition_bytes=16 * n) as kv:
+        with connect(addresses, rank, 2, partition_bytes=partition_bytes) as kv:
             if compression:
                 kv.set_gradient_compression({"type": compression, "threshold": 0.5})
             kv.init(["sum", "sgd"], [np.zeros(n, np.float32), np.ones(n, np.float32)])
