@@ -286,7 +286,6 @@ class Transport:
         self._lock = threading.Lock()
         self._window = SendWindow(window_bytes, queue_seconds)
         self._window_full = False  # the window held a message back since the last flush
-        self._cap_kernel_unsent = queue_seconds > 0
         self._lead = lead_chunks if lead_chunks > 0 else 1 << 62
         self._in_flight_bytes = 0  # data-lane payload handed to ZeroMQ, not yet written
         self._seq = itertools.count()  # one submission order across all queues
@@ -554,7 +553,7 @@ class Transport:
                 return
             if event["event"] == zmq.EVENT_CONNECTED:
                 self._connected.add((rank, lane.lane))
-                if self._cap_kernel_unsent and lane.lane == LANE_DATA:
+                if self._window.queue_seconds and lane.lane == LANE_DATA:  # a send queue in time
                     _limit_unsent(event["value"])
             elif event["event"] == zmq.EVENT_DISCONNECTED and (rank, lane.lane) in self._connected:
                 reason = (

@@ -99,6 +99,25 @@ def test_chunks_longer_than_the_inline_limit_are_summed_on_the_thread_pool(
         np.testing.assert_array_equal(weights, 1 - 0.5 * 2 * grad)
 
 
+def test_a_send_queue_in_time_keeps_results_exact(servers_factory, monkeypatch):
+    """KVSTORE_SEND_QUEUE_MS: the window follows the measured send rate; sums stay exact."""
+    monkeypatch.setenv("KVSTORE_SEND_QUEUE_MS", "1")
+    addresses = servers_factory(2, 2)
+    n = 3_000_000
+
+    def worker(rank):
+        with connect(addresses, rank, 2, partition_bytes=1 << 20) as kv:
+            kv.init("k", np.zeros(n, np.float32))
+            out = np.empty(n, np.float32)
+            for step in range(5):
+                kv.push("k", np.full(n, rank + 1 + step, np.float32))
+                kv.pull("k", out=out)
+                assert (out == 3 + 2 * step).all()
+            return kv._transport._window.rate is not None  # the window was measured
+
+    assert any(run_ranks(2, worker))
+
+
 def test_pull_waits_for_the_round_and_reads_own_pushes(servers_factory):
     addresses = servers_factory(1, 2)
 
