@@ -70,9 +70,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "worker",
         "Largest chunk, in bytes of the uncompressed value. Each server's slice of a key is cut "
         "into 16 chunks of at most this size and at least a quarter of it (fewer where the "
-        "slice is short), with smaller chunks at both ends, so that encoding, sending, "
-        "server-side decoding and replies overlap; the send window is twice this. Must be "
-        "equal on all workers.",
+        "slice is short), smaller at both ends where a slice has at least 8 times this "
+        "many bytes, so that encoding, sending, server-side decoding and replies overlap; the "
+        "send window is twice this. Must be equal on all workers.",
     ),
     EnvVar(
         "KVSTORE_TIMEOUT",

@@ -16,11 +16,14 @@ Rules (DESIGN.md, "Sharding"):
   (a flow shop): a step takes the slice's transfer time plus about one chunk's round, so chunks
   must be small next to the slice. A slice is cut into :data:`SLICE_PARTS` chunks, none longer
   than ``partition_elems``. Chunk sizes ramp up at the start of a slice and down at its end
-  (:func:`chunk_sizes`): a server's first round of a step completes, and its replies start
-  flowing back, after a small first chunk has arrived from every worker, and after the last
-  push arrives only small chunks remain to be sent back; most bytes still travel in full-size
-  messages. (Once replies flow, the server's outgoing link never waits again: rounds complete
-  as fast as pushes arrive.)
+  where the slice is long enough for ramp steps of at least :func:`min_chunk_elems` (at least
+  8 partitions; :func:`chunk_sizes`): a server's first round of a step completes, and its
+  replies start flowing back, after a small first chunk has arrived from every worker, and
+  after the last push arrives only small chunks remain to be sent back; most bytes still
+  travel in full-size messages. (A round completes when the slowest worker's push of its
+  chunk arrives; where TCP shares a server's link unevenly among many workers, rounds
+  complete in bursts and the outgoing link waits between them: see the README's cluster
+  results.)
 * No chunk is shorter than :func:`min_chunk_elems` (a quarter partition, 1 MiB of fp32 by
   default) unless its slice is. Every chunk costs a fixed amount of CPU on the worker and the
   server (two requests, their replies, a round's bookkeeping: about 0.2 ms on loopback), whatever

@@ -196,7 +196,7 @@ def _send_order(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
 
     The transport's shared window hands them to the connections in this order, so every
     worker pushes a given chunk at about the same time; rounds then complete in order, and
-    after the last pushes only the slices' small last chunks remain to be returned. The order
+    after the last pushes only the slices' last chunks remain to be returned. The order
     holds on the wire only up to the window and the kernel's send buffers, within which TCP
     shares the uplink among the connections as it likes; ``KVSTORE_SEND_QUEUE_MS`` narrows
     both (see :mod:`kvstore.worker.transport`).
