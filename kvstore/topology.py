@@ -26,11 +26,14 @@ Rules (DESIGN.md, "Sharding"):
   results.)
 * No chunk is shorter than :func:`min_chunk_elems` (a quarter partition, 1 MiB of fp32 by
   default) unless its slice is. Every chunk costs a fixed amount of CPU on the worker and the
-  server (two requests, their replies, a round's bookkeeping: about 0.2 ms on loopback), whatever
-  its size, and the pipeline gains nothing from chunks much smaller than a quarter partition
-  (8 ms of wire time at 1 Gbit/s). A model's many small and middle-sized tensors are then one
-  or a few chunks each (ResNet-50's 161 tensors: 228 chunks on one server, not 633), and keys
-  pushed one after another overlap with each other instead.
+  server, whatever its size (two requests, their replies, a round's bookkeeping: about 0.25 ms
+  on the worker and 0.17 ms per worker on the server, on loopback, from
+  ``benchmarks/bench_chunk_cost.py``). A deeper pipeline does bring a step closer to the wire
+  floor where many workers share a server's link and CPU is spare (a smaller
+  ``partition_elems`` gives one), but on the 2-core development machine at 1 Gbit/s the
+  chunks' CPU outweighs that (README, cluster results). With the minimum, a model's many small
+  and middle-sized tensors are one or a few chunks each (ResNet-50's 161 tensors: 228 chunks
+  on one server, not 633), and keys pushed one after another overlap with each other instead.
 
 Every worker must use the same ``bigarray_bound`` and ``partition_elems``; the server checks that
 all workers declare the same chunks at init.
