@@ -15,11 +15,13 @@ values; each step every worker pushes the key and pulls it back (``dist_sync``, 
   round's sum is relayed (the W pushes, summed by the worker: bit-identical, W/16 of the bytes).
 * ``kvstore 2bit dense pull``: 2-bit pushes with ``pull_relay=False``: dense fp32 pulls, the
   traffic of a job with an optimizer on the server.
+* ``kvstore none pushpull``: ``kv.pushpull`` uncompressed, one round trip per chunk instead of
+  a push and a pull request.
 
 Configurations run in alternation for ``--rounds`` rounds (so machine noise hits all of them
 alike); each reports the median seconds per step over all rounds' steps. Ratios: kvstore dense
-over bare pyzmq, and each 2-bit configuration over dense. One JSON line per configuration, then a
-summary line.
+over bare pyzmq, each 2-bit configuration over dense, and pushpull over push + pull. One JSON
+line per configuration, then a summary line.
 
     python benchmarks/bench_pushpull.py --preset smoke
     python benchmarks/bench_pushpull.py --preset full
@@ -120,15 +122,23 @@ def bare_worker(address: str, elements: int, steps: int, pipelined: bool) -> Non
 
 
 KV_CONFIGS = {
-    "kvstore none": ("none", True),
-    "kvstore 2bit": ("2bit", True),
-    "kvstore 2bit dense pull": ("2bit", False),
+    "kvstore none": ("none", True, False),
+    "kvstore 2bit": ("2bit", True, False),
+    "kvstore 2bit dense pull": ("2bit", False, False),
+    "kvstore none pushpull": ("none", True, True),
 }
-"""Configuration name -> (codec, pull_relay)."""
+"""Configuration name -> (codec, pull_relay, ``kv.pushpull`` instead of push + pull per step)."""
 
 
 def kv_worker(
-    address: str, rank: int, workers: int, elements: int, steps: int, codec: str, relay: bool
+    address: str,
+    rank: int,
+    workers: int,
+    elements: int,
+    steps: int,
+    codec: str,
+    relay: bool,
+    pushpull: bool = False,
 ) -> None:
     import numpy as np
 
@@ -145,8 +155,11 @@ def kv_worker(
     times = []
     for step in range(steps + 1):
         start = time.perf_counter()
-        kv.push("w", grad)
-        kv.pull("w", out=out)
+        if pushpull:
+            kv.pushpull("w", grad, out=out)
+        else:
+            kv.push("w", grad)
+            kv.pull("w", out=out)
         if step:
             times.append(time.perf_counter() - start)
     kv.barrier()
@@ -188,9 +201,10 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
                 command += ["--role", "bare-worker"]
                 command += ["--pipelined"] if name.endswith("pipelined") else []
             else:
-                codec, relay = KV_CONFIGS[name]
+                codec, relay, pushpull = KV_CONFIGS[name]
                 command += ["--role", "kv-worker", "--codec", codec]
                 command += [] if relay else ["--no-relay"]
+                command += ["--pushpull"] if pushpull else []
             children.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
         times: list[float] = []
         for child in children:
@@ -218,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-relay", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pushpull", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     elements = args.elements or preset["elements"]
@@ -230,7 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         bare_worker(args.address, elements, steps, args.pipelined)
         return 0
     if args.role == "kv-worker":
-        kv_worker(args.address, args.rank, workers, elements, steps, args.codec, not args.no_relay)
+        kv_worker(
+            args.address,
+            args.rank,
+            workers,
+            elements,
+            steps,
+            args.codec,
+            not args.no_relay,
+            args.pushpull,
+        )
         return 0
 
     configs = ["bare pyzmq", "bare pyzmq pipelined", *KV_CONFIGS]
@@ -242,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     bare_best = min(medians["bare pyzmq"], medians["bare pyzmq pipelined"])
     nbytes = 4 * elements
     for config in configs:
-        codec, relay = KV_CONFIGS.get(config, ("none", False))
+        codec, relay, _ = KV_CONFIGS.get(config, ("none", False, False))
         push_bytes = nbytes // 16 if codec == "2bit" else nbytes
         pull_bytes = workers * nbytes // 16 if codec == "2bit" and relay else nbytes
         emit(
@@ -265,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             "twobit_over_dense": round(medians["kvstore 2bit"] / medians["kvstore none"], 3),
             "twobit_dense_pull_over_dense": round(
                 medians["kvstore 2bit dense pull"] / medians["kvstore none"], 3
+            ),
+            "pushpull_over_push_and_pull": round(
+                medians["kvstore none pushpull"] / medians["kvstore none"], 3
             ),
             "machine": machine(),
         }

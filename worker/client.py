@@ -145,6 +145,7 @@ class _Landing:
                 if request._error is not None:
                     raise request._error
                 self.write(chunk, request._reply)
+                request.release_payloads()
             except BaseException as exc:
                 self.errors.append(exc)
             with self._lock:
@@ -691,6 +692,7 @@ class KVStore:
                 for chunk, request in zip(state.chunks, requests, strict=True):
                     try:
                         landing.write(chunk, request.wait(self._options.timeout))
+                        request.release_payloads()
                     except KVStoreError as exc:
                         first_error = first_error or exc
             if first_error is None:

@@ -38,6 +38,7 @@ dead server never leaves a worker hanging.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import ipaddress
 import itertools
 import logging
@@ -133,6 +134,19 @@ class Request:
             raise self._error
         assert self._reply is not None
         return self._reply
+
+    def release_payloads(self) -> None:
+        """Forget the reply's payload frames (their values were copied out), keeping its fields.
+
+        A request can outlive its reply's use by a whole step (the client keeps each chunk's
+        last push until the next one); holding a pushpull's megabytes of ZeroMQ receive buffers
+        that long makes the allocator map fresh pages for the next replies instead of reusing
+        these: on loopback a 10M-element ``pushpull`` took 10k page faults and twice the time
+        per step.
+        """
+        reply = self._reply
+        if reply is not None and reply.payloads:
+            self._reply = dataclasses.replace(reply, payloads=[])
 
     def _complete(self, reply: Message | None, error: BaseException | None) -> None:
         if self._done:

@@ -41,6 +41,21 @@ def test_single_worker_int_and_str_keys_lists_and_pushpull(one_server):
         assert other.tolist() == [[9, 9, 9]] * 2
 
 
+def test_pushpull_keeps_no_reply_buffers_once_landed(one_server):
+    # The client holds each chunk's last push until the next one; a pushpull's reply frames
+    # (megabytes of ZeroMQ buffers) must not live that long.
+    with connect([one_server], partition_bytes=4096) as kv:
+        kv.init("k", np.zeros(5000, np.float32))
+        out = np.empty(5000, np.float32)
+        kv.pushpull("k", np.full(5000, 2, np.float32), out=out)
+        assert out.tolist() == [2] * 5000
+        held = [r for r in kv._keys["k"].last_push if r is not None]
+        assert len(held) > 1
+        for request in held:
+            reply = request.wait(5)
+            assert reply.payloads == [] and reply.op is kvstore.wire.Op.REPLY
+
+
 def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):
     addresses = servers_factory(2, 2)
     n = 10_007
