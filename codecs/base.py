@@ -190,6 +190,15 @@ class Codec(ABC):
         ``None`` means the sizes depend on the data; the aggregator then validates them.
         """
 
+    def pushed_fraction(self, numel: int, dtype: str) -> float:
+        """Bytes a push of ``numel`` elements carries per byte of the uncompressed value (1.0
+        where the sizes depend on the data)."""
+        sizes = self.payload_nbytes(numel, dtype)
+        raw = numel * np.dtype(dtype).itemsize
+        if sizes is None or raw == 0:
+            return 1.0
+        return sum(sizes) / raw
+
     @abstractmethod
     def make_encoder(self, numel: int, dtype: str, device: Any = None) -> Encoder:
         """A worker-side encoder; ``device`` is None for host memory or a CuPy device."""

@@ -70,8 +70,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "worker",
         "Largest chunk, in bytes of the uncompressed value. Each server's slice of a key is cut "
         "into 16 chunks of at most this size and at least a quarter of it (fewer where the "
-        "slice is short), smaller at both ends where a slice has at least 8 times this "
-        "many bytes, so that encoding, sending, server-side decoding and replies overlap; the "
+        "slice is short), a slice whose pushes carry at least 4 times this many bytes into 32 "
+        "of at least an eighth, smaller at both ends where a slice is long enough, so that "
+        "encoding, sending, server-side decoding and replies overlap; the "
         "send window is twice this. Smaller partitions bring a synchronous step closer to the "
         "wire floor where many workers share a server's link, at a CPU cost per chunk. Must be "
         "equal on all workers.",

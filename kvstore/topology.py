@@ -14,10 +14,11 @@ Rules (DESIGN.md, "Sharding"):
   replies of one big key overlap. A chunk is the unit of server state: it has its own round,
   optimizer state and reply. Pushing chunks and returning their values is a two-stage pipeline
   (a flow shop): a step takes the slice's transfer time plus about one chunk's round, so chunks
-  must be small next to the slice. A slice is cut into :data:`SLICE_PARTS` chunks, none longer
-  than ``partition_elems``. Chunk sizes ramp up at the start of a slice and down at its end
-  where the slice is long enough for ramp steps of at least :func:`min_chunk_elems` (at least
-  8 partitions; :func:`chunk_sizes`): a server's first round of a step completes, and its
+  must be small next to the slice. A slice is cut into :data:`SLICE_PARTS` chunks, a *long*
+  slice (at least :data:`LONG_SLICE_PARTITIONS` partitions) into :data:`LONG_SLICE_PARTS`, none
+  longer than ``partition_elems`` (:func:`slice_chunking`). Chunk sizes ramp up at the start of
+  a slice and down at its end where the slice is long enough for ramp steps of at least the
+  shortest chunk (:func:`chunk_sizes`): a server's first round of a step completes, and its
   replies start flowing back, after a small first chunk has arrived from every worker, and
   after the last push arrives only small chunks remain to be sent back; most bytes still
   travel in full-size messages. (A round completes when the slowest worker's push of its
@@ -25,13 +26,14 @@ Rules (DESIGN.md, "Sharding"):
   complete in bursts and the outgoing link waits between them: see the README's cluster
   results.)
 * No chunk is shorter than :func:`min_chunk_elems` (a quarter partition, 1 MiB of fp32 by
-  default) unless its slice is. Every chunk costs a fixed amount of CPU on the worker and the
-  server, whatever its size (two requests, their replies, a round's bookkeeping: about 0.25 ms
-  on the worker and 0.17 ms per worker on the server, on loopback, from
-  ``benchmarks/bench_chunk_cost.py``). A deeper pipeline does bring a step closer to the wire
+  default; an eighth in a long slice) unless its slice is. Every chunk costs a fixed amount of
+  CPU on the worker and the server, whatever its size (two requests, their replies, a round's
+  bookkeeping: about 0.25 ms on the worker and 0.17 ms per worker on the server, on loopback,
+  from ``benchmarks/bench_chunk_cost.py``). A deeper pipeline brings a step closer to the wire
   floor where many workers share a server's link and CPU is spare (a smaller
-  ``partition_elems`` gives one), but on the 2-core development machine at 1 Gbit/s the
-  chunks' CPU outweighs that (README, cluster results). With the minimum, a model's many small
+  ``partition_elems`` gives one), but on the 2-core development machine at 1 Gbit/s more and
+  shorter chunks than these cost more CPU than they gained, except in long slices (see
+  :data:`LONG_SLICE_PARTS`; README, cluster results). With the minimum, a model's many small
   and middle-sized tensors are one or a few chunks each (ResNet-50's 161 tensors: 228 chunks
   on one server, not 633), and keys pushed one after another overlap with each other instead.
 
@@ -120,9 +122,36 @@ MIN_CHUNK_FRACTION = 4
 """No chunk is shorter than ``partition_elems / MIN_CHUNK_FRACTION`` unless its slice is."""
 
 
-def min_chunk_elems(partition_elems: int) -> int:
-    """The shortest chunk a slice is cut into, in elements (a multiple of 16)."""
-    return max(WORD_ELEMS, partition_elems // MIN_CHUNK_FRACTION // WORD_ELEMS * WORD_ELEMS)
+LONG_SLICE_PARTITIONS = 4
+"""A slice of at least this many partitions (16 MiB of fp32 by default) is a *long* slice."""
+
+LONG_SLICE_PARTS = 32
+"""A long slice is cut into this many chunks, none shorter than ``partition_elems /
+LONG_MIN_CHUNK_FRACTION``.
+
+A round of a chunk completes only when every worker's push of it arrived, so a step costs
+about one round more than the slice's transfer: 1/16 of it with 16 chunks. For a long slice
+that round is long in time too (key10m on 2 servers: 8 workers x 1.25 MB, 80 ms at 1 Gbit/s),
+and its chunks are large, so twice as many still cost little CPU next to their wire time.
+Measured on 1 Gbit/s links (``bench_cluster.py --mtu 9000 --steps 8``, one run each against
+16 chunks of at least a quarter partition, alternating), key10m dense, x the floor: all 14
+cells with 1 or 2 servers gained, e.g. 8 workers x 2 servers separate 1.17 -> 1.09,
+co-located 1.27 -> 1.14, 4 x 2 separate 1.16 -> 1.09, 8 x 1 separate 1.15 -> 1.09. Slices are
+long by the bytes their pushes carry: 2-bit pushes of the same cells were slower cut finer
+(4 x 2 separate 1.05 -> 1.09, `2-bit agg` 2 x 2 separate 1.53 -> 1.85), their rounds being
+short on the wire already. Shorter slices (key10m on 4 servers, ResNet-50's tensors) keep 16
+chunks of at least a quarter partition: more and shorter chunks cost more CPU there than they
+gained (ResNet-50 8 x 4 dense 1.22 -> 1.26, 2-bit with server SGD 2 x 2 co-located 1.15 -> 1.26,
+with 32 chunks per slice and an eighth partition for every slice)."""
+
+LONG_MIN_CHUNK_FRACTION = 8
+"""No chunk of a long slice is shorter than ``partition_elems / LONG_MIN_CHUNK_FRACTION``."""
+
+
+def min_chunk_elems(partition_elems: int, fraction: int = MIN_CHUNK_FRACTION) -> int:
+    """The shortest chunk a slice is cut into, ``partition_elems / fraction`` elements (a
+    multiple of 16)."""
+    return max(WORD_ELEMS, partition_elems // fraction // WORD_ELEMS * WORD_ELEMS)
 
 
 def chunk_sizes(length: int, partition_elems: int, min_elems: int = WORD_ELEMS) -> list[int]:
@@ -161,12 +190,28 @@ def chunk_sizes(length: int, partition_elems: int, min_elems: int = WORD_ELEMS) 
     return sizes
 
 
-def slice_partition(length: int, partition_elems: int) -> int:
-    """The full chunk length for a slice: ``length / SLICE_PARTS`` within
-    ``[min_chunk_elems(partition_elems), partition_elems]``, a multiple of 16."""
-    wanted = -(-length // SLICE_PARTS)
-    size = min(partition_elems, max(min_chunk_elems(partition_elems), wanted))
-    return max(WORD_ELEMS, -(-size // WORD_ELEMS) * WORD_ELEMS)
+def slice_chunking(
+    length: int, partition_elems: int, pushed_fraction: float = 1.0
+) -> tuple[int, int]:
+    """The full and the shortest chunk length for a slice of ``length`` elements.
+
+    The full length is ``length / SLICE_PARTS`` (``/ LONG_SLICE_PARTS`` for a long slice)
+    within ``[shortest, partition_elems]``, a multiple of 16; the shortest is
+    :func:`min_chunk_elems` of the partition (``LONG_MIN_CHUNK_FRACTION`` of it for a long
+    slice). A slice is long when its pushes carry at least :data:`LONG_SLICE_PARTITIONS`
+    partitions of bytes: ``pushed_fraction`` is the pushes' bytes per value byte (1 dense,
+    1/16 for 2-bit), so compressed slices, whose rounds are short on the wire, are not.
+    """
+    if length * pushed_fraction >= LONG_SLICE_PARTITIONS * partition_elems:
+        parts, shortest = (
+            LONG_SLICE_PARTS,
+            min_chunk_elems(partition_elems, LONG_MIN_CHUNK_FRACTION),
+        )
+    else:
+        parts, shortest = SLICE_PARTS, min_chunk_elems(partition_elems)
+    wanted = -(-length // parts)
+    size = min(partition_elems, max(shortest, wanted))
+    return max(WORD_ELEMS, -(-size // WORD_ELEMS) * WORD_ELEMS), shortest
 
 
 def partition_elems_for(partition_bytes: int, itemsize: int) -> int:
@@ -182,6 +227,7 @@ def plan_chunks(
     *,
     bigarray_bound: int,
     partition_elems: int,
+    pushed_fraction: float = 1.0,
 ) -> tuple[Chunk, ...]:
     """All chunks of a key, in element order.
 
@@ -191,6 +237,8 @@ def plan_chunks(
         num_servers: S.
         bigarray_bound: keys with at least this many elements are split over all servers.
         partition_elems: the longest chunk, in elements; must be a positive multiple of 16.
+        pushed_fraction: bytes a push carries per byte of the value (the key's codec:
+            :meth:`~kvstore.codecs.Codec.pushed_fraction`); decides which slices are long.
 
     Returns:
         Chunks covering ``[0, numel)`` without gaps; a key of 0 elements has one empty chunk.
@@ -210,8 +258,8 @@ def plan_chunks(
         if hi == lo and numel > 0:
             continue  # a server with nothing of this key
         start = lo
-        partition = slice_partition(hi - lo, partition_elems)
-        for size in chunk_sizes(hi - lo, partition, min_chunk_elems(partition_elems)):
+        partition, shortest = slice_chunking(hi - lo, partition_elems, pushed_fraction)
+        for size in chunk_sizes(hi - lo, partition, shortest):
             chunks.append(Chunk(len(chunks), server, start, start + size))
             start += size
     return tuple(chunks)

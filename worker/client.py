@@ -463,6 +463,7 @@ class KVStore:
                     self.num_servers,
                     bigarray_bound=self._options.bigarray_bound,
                     partition_elems=partition_elems_for(self._options.partition_bytes, itemsize),
+                    pushed_fraction=self._codec.pushed_fraction(info.numel, info.dtype),
                 )
                 states.append((_KeyState(k, info.shape, info.dtype, self._codec, chunks), v))
             requests = []

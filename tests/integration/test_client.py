@@ -56,6 +56,25 @@ def test_pushpull_keeps_no_reply_buffers_once_landed(one_server):
             assert reply.payloads == [] and reply.op is kvstore.wire.Op.REPLY
 
 
+def test_long_slices_are_cut_finer_only_for_uncompressed_pushes(one_server):
+    # 20,000 elements of 1,024-element partitions: a long slice for dense pushes (32 chunks and
+    # a short one at each end), not for 2-bit ones, which carry 1/16 of the bytes (chunks of at
+    # most a partition and short ones at the ends: 23).
+    value = np.arange(20_000, dtype=np.float32)
+    for compression, chunks in (({"type": "none"}, 34), ({"type": "2bit", "threshold": 0.5}, 23)):
+        with connect([one_server], partition_bytes=4096) as kv:
+            kv.set_gradient_compression(compression)
+            kv.init("k", np.zeros(20_000, np.float32))
+            assert len(kv._keys["k"].chunks) == chunks
+            out = np.empty_like(value)
+            kv.push("k", value)
+            kv.pull("k", out=out)
+            if compression["type"] == "none":
+                assert np.array_equal(out, value)
+            else:  # each element is +-0.5 or 0 after one 2-bit push
+                assert set(np.unique(out)) <= {-0.5, 0.0, 0.5}
+
+
 def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):
     addresses = servers_factory(2, 2)
     n = 10_007

@@ -13,7 +13,7 @@ from kvstore.topology import (
     min_chunk_elems,
     plan_chunks,
     server_for_key,
-    slice_partition,
+    slice_chunking,
     split_bounds,
     stable_key_hash,
 )
@@ -88,18 +88,39 @@ def test_key_of_1_5m_elements_over_two_servers():
     assert slices == {0: (0, 750_000), 1: (750_000, 1_500_000)}
 
 
-def test_big_slices_are_cut_into_16_chunks_within_bounds():
+def test_slices_are_cut_into_16_chunks_and_long_ones_into_32_within_bounds():
     p = 1 << 20
-    assert min_chunk_elems(p) == p // 4
-    assert slice_partition(40 * p, p) == p  # capped by the partition size
-    assert slice_partition(8 * p, p) == p // 2  # a sixteenth of the slice
-    assert slice_partition(p, p) == p // 4  # but no less than the shortest chunk
-    assert slice_partition(100, p) == p // 4
+    assert min_chunk_elems(p) == p // 4 and min_chunk_elems(p, 8) == p // 8
+    # Slices under 4 partitions: 16 chunks, but none shorter than a quarter partition.
+    assert slice_chunking(p, p) == (p // 4, p // 4)
+    assert slice_chunking(100, p) == (p // 4, p // 4)
+    assert slice_chunking(4 * p - 16, p) == (p // 4, p // 4)
+    # Long slices: 32 chunks of at least an eighth, none longer than the partition.
+    assert slice_chunking(4 * p, p) == (p // 8, p // 8)
+    assert slice_chunking(8 * p, p) == (p // 4, p // 8)
+    assert slice_chunking(40 * p, p) == (p, p // 8)
     chunks = plan_chunks("w", 40_000_000, 4, bigarray_bound=MB, partition_elems=p)
     per_server = [[c for c in chunks if c.server == s] for s in range(4)]
     for mine in per_server:
-        assert len(mine) >= 16
-        assert max(c.numel for c in mine) <= 10_000_000 // 16 + 16
+        assert len(mine) >= 32
+        assert max(c.numel for c in mine) <= 10_000_000 // 32 + 16
+    # A 10M key over 4 servers has short slices (2.5M elements): 9 chunks each.
+    chunks = plan_chunks("w", 10_000_000, 4, bigarray_bound=MB, partition_elems=p)
+    assert len(chunks) == 36
+
+
+def test_a_slice_is_long_by_the_bytes_its_pushes_carry():
+    p = 1 << 20
+    # 2-bit pushes carry 1/16 of the value's bytes: a 10M-element slice is not long for them
+    # (16 chunks of at least a quarter partition), a dense one is (32 of at least an eighth).
+    assert slice_chunking(10_000_000, p, 1 / 16) == (625_008, p // 4)
+    assert slice_chunking(10_000_000, p) == (312_512, p // 8)
+    assert slice_chunking(64 * p, p, 1 / 16) == (p, p // 8)
+    dense = plan_chunks("w", 10_000_000, 1, bigarray_bound=MB, partition_elems=p)
+    compressed = plan_chunks(
+        "w", 10_000_000, 1, bigarray_bound=MB, partition_elems=p, pushed_fraction=1 / 16
+    )
+    assert len(dense) >= 32 and 16 <= len(compressed) < 20
 
 
 def test_no_chunk_is_shorter_than_a_quarter_partition_unless_its_slice_is():
@@ -110,7 +131,9 @@ def test_no_chunk_is_shorter_than_a_quarter_partition_unless_its_slice_is():
         for c in chunks:
             slices[c.server] = slices.get(c.server, 0) + c.numel
         for c in chunks:
-            assert c.numel >= min(p // 4, slices[c.server]), (numel, servers, c)
+            # ... or an eighth in a long slice (at least 4 partitions)
+            shortest = p // 8 if slices[c.server] >= 4 * p else p // 4
+            assert c.numel >= min(shortest, slices[c.server]), (numel, servers, c)
     # A middle-sized tensor is a few chunks, not a ramp of small ones.
     middle = plan_chunks("w", 589_824, 1, bigarray_bound=MB, partition_elems=p)
     assert [c.numel for c in middle] == [294_912, 294_912]
