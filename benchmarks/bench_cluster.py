@@ -136,7 +136,7 @@ def floor_seconds(
             len(server_hosts),
             bigarray_bound=DEFAULT_BIGARRAY_BOUND,
             partition_elems=partition_elems_for(DEFAULT_PARTITION_BYTES, 4),
-            pushed_fraction=push_codec.pushed_fraction(numel, "float32"),
+            wire_fraction=push_codec.pushed_fraction(numel, "float32"),
         )
         for chunk in chunks:
             push = sum(push_codec.payload_nbytes(chunk.numel, "float32"))

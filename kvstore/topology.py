@@ -191,18 +191,20 @@ def chunk_sizes(length: int, partition_elems: int, min_elems: int = WORD_ELEMS) 
 
 
 def slice_chunking(
-    length: int, partition_elems: int, pushed_fraction: float = 1.0
+    length: int, partition_elems: int, wire_fraction: float = 1.0
 ) -> tuple[int, int]:
     """The full and the shortest chunk length for a slice of ``length`` elements.
 
     The full length is ``length / SLICE_PARTS`` (``/ LONG_SLICE_PARTS`` for a long slice)
     within ``[shortest, partition_elems]``, a multiple of 16; the shortest is
     :func:`min_chunk_elems` of the partition (``LONG_MIN_CHUNK_FRACTION`` of it for a long
-    slice). A slice is long when its pushes carry at least :data:`LONG_SLICE_PARTITIONS`
-    partitions of bytes: ``pushed_fraction`` is the pushes' bytes per value byte (1 dense,
-    1/16 for 2-bit), so compressed slices, whose rounds are short on the wire, are not.
+    slice). A slice is long when its pushes put at least :data:`LONG_SLICE_PARTITIONS`
+    partitions of bytes on the network: ``wire_fraction`` is those bytes per value byte (1
+    dense, 1/16 for 2-bit, 0 where every server is on the worker's own host), so compressed
+    slices, whose rounds are short on the wire, are not long, nor are slices on loopback,
+    where the "wire" is the CPU that more chunks would only load.
     """
-    if length * pushed_fraction >= LONG_SLICE_PARTITIONS * partition_elems:
+    if length * wire_fraction >= LONG_SLICE_PARTITIONS * partition_elems:
         parts, shortest = (
             LONG_SLICE_PARTS,
             min_chunk_elems(partition_elems, LONG_MIN_CHUNK_FRACTION),
@@ -227,7 +229,7 @@ def plan_chunks(
     *,
     bigarray_bound: int,
     partition_elems: int,
-    pushed_fraction: float = 1.0,
+    wire_fraction: float = 1.0,
 ) -> tuple[Chunk, ...]:
     """All chunks of a key, in element order.
 
@@ -237,8 +239,9 @@ def plan_chunks(
         num_servers: S.
         bigarray_bound: keys with at least this many elements are split over all servers.
         partition_elems: the longest chunk, in elements; must be a positive multiple of 16.
-        pushed_fraction: bytes a push carries per byte of the value (the key's codec:
-            :meth:`~kvstore.codecs.Codec.pushed_fraction`); decides which slices are long.
+        wire_fraction: bytes a push puts on the network per byte of the value (the key's
+            codec's :meth:`~kvstore.codecs.Codec.pushed_fraction`, 0 where every server is on
+            the worker's host); decides which slices are long (:func:`slice_chunking`).
 
     Returns:
         Chunks covering ``[0, numel)`` without gaps; a key of 0 elements has one empty chunk.
@@ -258,7 +261,7 @@ def plan_chunks(
         if hi == lo and numel > 0:
             continue  # a server with nothing of this key
         start = lo
-        partition, shortest = slice_chunking(hi - lo, partition_elems, pushed_fraction)
+        partition, shortest = slice_chunking(hi - lo, partition_elems, wire_fraction)
         for size in chunk_sizes(hi - lo, partition, shortest):
             chunks.append(Chunk(len(chunks), server, start, start + size))
             start += size

@@ -16,6 +16,7 @@ push are raised by the next call that waits on it: a later push or pull of the s
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -208,6 +209,26 @@ def _send_order(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
     return tuple(sorted(chunks, key=lambda c: (c.index - first_of_server[c.server], c.server)))
 
 
+def servers_on_this_host(addresses: Sequence[str]) -> bool:
+    """Whether every server address is on the worker's own host (loopback, ``localhost``,
+    ``inproc://`` or ``ipc://``), judged from the addresses alone: no push crosses a link then.
+    """
+    for address in addresses:
+        scheme, _, rest = address.partition("://")
+        if scheme in ("inproc", "ipc"):
+            continue
+        host = rest.rsplit(":", 1)[0].strip("[]")
+        if host == "localhost":
+            continue
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                continue
+        except ValueError:
+            pass  # a host name: assume it is another host
+        return False
+    return True
+
+
 def _normalize_key(key: Any) -> Key:
     if isinstance(key, bool):
         raise TypeError("expected int or str for `key`, got bool")
@@ -274,6 +295,8 @@ class KVStore:
         # Settings left to the job's size (push lead, TOS) are fixed here, once.
         self._options = (options or WorkerOptions()).for_job(cluster.num_workers)
         self._codec: Codec = IdentityCodec()
+        # Every worker reads the same addresses, so every worker plans the same chunks.
+        self._servers_on_this_host = servers_on_this_host(cluster.servers)
         self._keys: dict[Key, _KeyState] = {}
         self._optimizer: OptimizerSpec | None = None
         self._stats = TrafficStats()
@@ -463,7 +486,11 @@ class KVStore:
                     self.num_servers,
                     bigarray_bound=self._options.bigarray_bound,
                     partition_elems=partition_elems_for(self._options.partition_bytes, itemsize),
-                    pushed_fraction=self._codec.pushed_fraction(info.numel, info.dtype),
+                    wire_fraction=(
+                        0.0
+                        if self._servers_on_this_host
+                        else self._codec.pushed_fraction(info.numel, info.dtype)
+                    ),
                 )
                 states.append((_KeyState(k, info.shape, info.dtype, self._codec, chunks), v))
             requests = []

@@ -14,6 +14,7 @@ import kvstore
 from kvstore.config import DEFAULT_BIGARRAY_BOUND
 from kvstore.server.server import INLINE_ELEMS
 from kvstore.topology import partition_elems_for, plan_chunks
+from kvstore.worker.client import servers_on_this_host
 
 pytestmark = pytest.mark.integration
 
@@ -56,16 +57,16 @@ def test_pushpull_keeps_no_reply_buffers_once_landed(one_server):
             assert reply.payloads == [] and reply.op is kvstore.wire.Op.REPLY
 
 
-def test_long_slices_are_cut_finer_only_for_uncompressed_pushes(one_server):
-    # 20,000 elements of 1,024-element partitions: a long slice for dense pushes (32 chunks and
-    # a short one at each end), not for 2-bit ones, which carry 1/16 of the bytes (chunks of at
-    # most a partition and short ones at the ends: 23).
+def test_slices_on_loopback_are_never_long(one_server):
+    # 20,000 elements of 1,024-element partitions would be a long slice for dense pushes to
+    # another host (32 chunks and a short one at each end); on loopback no push crosses a link,
+    # so dense and 2-bit keys alike get chunks of at most a partition (and short ends): 23.
     value = np.arange(20_000, dtype=np.float32)
-    for compression, chunks in (({"type": "none"}, 34), ({"type": "2bit", "threshold": 0.5}, 23)):
+    for compression in ({"type": "none"}, {"type": "2bit", "threshold": 0.5}):
         with connect([one_server], partition_bytes=4096) as kv:
             kv.set_gradient_compression(compression)
             kv.init("k", np.zeros(20_000, np.float32))
-            assert len(kv._keys["k"].chunks) == chunks
+            assert len(kv._keys["k"].chunks) == 23
             out = np.empty_like(value)
             kv.push("k", value)
             kv.pull("k", out=out)
@@ -73,6 +74,19 @@ def test_long_slices_are_cut_finer_only_for_uncompressed_pushes(one_server):
                 assert np.array_equal(out, value)
             else:  # each element is +-0.5 or 0 after one 2-bit push
                 assert set(np.unique(out)) <= {-0.5, 0.0, 0.5}
+
+
+def test_servers_on_this_host_is_judged_from_the_addresses():
+    assert servers_on_this_host(["tcp://127.0.0.1:9100", "tcp://localhost:9101"])
+    assert servers_on_this_host(["tcp://[::1]:9100", "inproc://kvstore-local", "ipc:///tmp/s"])
+    assert not servers_on_this_host(["tcp://127.0.0.1:9100", "tcp://10.0.0.2:9100"])
+    assert not servers_on_this_host(["tcp://node7:9100"])
+    p = 1024  # so a remote job's dense key of 20,000 elements has long slices, a 2-bit one not
+    dense = plan_chunks("k", 20_000, 1, bigarray_bound=10**6, partition_elems=p)
+    compressed = plan_chunks(
+        "k", 20_000, 1, bigarray_bound=10**6, partition_elems=p, wire_fraction=1 / 16
+    )
+    assert (len(dense), len(compressed)) == (34, 23)
 
 
 def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):

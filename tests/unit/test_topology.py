@@ -118,9 +118,11 @@ def test_a_slice_is_long_by_the_bytes_its_pushes_carry():
     assert slice_chunking(64 * p, p, 1 / 16) == (p, p // 8)
     dense = plan_chunks("w", 10_000_000, 1, bigarray_bound=MB, partition_elems=p)
     compressed = plan_chunks(
-        "w", 10_000_000, 1, bigarray_bound=MB, partition_elems=p, pushed_fraction=1 / 16
+        "w", 10_000_000, 1, bigarray_bound=MB, partition_elems=p, wire_fraction=1 / 16
     )
     assert len(dense) >= 32 and 16 <= len(compressed) < 20
+    # Over loopback nothing crosses a link (wire fraction 0): never long.
+    assert slice_chunking(40 * p, p, 0.0) == (p, p // 4)
 
 
 def test_no_chunk_is_shorter_than_a_quarter_partition_unless_its_slice_is():
