@@ -37,7 +37,8 @@ Rules (DESIGN.md, "Sharding"):
   and middle-sized tensors are one or a few chunks each (ResNet-50's 161 tensors: 228 chunks
   on one server, not 633), and keys pushed one after another overlap with each other instead.
 
-Every worker must use the same ``bigarray_bound`` and ``partition_elems``; the server checks that
+Every worker must use the same ``bigarray_bound``, ``partition_elems`` and server addresses (the
+client judges from them whether pushes cross a link: ``wire_fraction``); the server checks that
 all workers declare the same chunks at init.
 """
 
