@@ -489,7 +489,7 @@ class ShardServer:
         return (
             f"{spec.name}: rank {rank} declared {spec.describe()} but rank 0 declared "
             f"{reference.describe()}; every worker must init a key with the same shape, dtype, "
-            f"compression and KVSTORE_BIGARRAY_BOUND/KVSTORE_PARTITION_BYTES"
+            f"compression, KVSTORE_BIGARRAY_BOUND/KVSTORE_PARTITION_BYTES and KVSTORE_SERVERS"
         )
 
     def _ready_chunk(self, rank: int, msg: Message) -> ChunkState:
