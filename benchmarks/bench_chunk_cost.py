@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, machine  # noqa: E402
+from common import emit, machine, start_server  # noqa: E402
 
 from kvstore.config import DEFAULT_PARTITION_BYTES  # noqa: E402
 
@@ -93,23 +93,12 @@ def kv_worker(address: str, rank: int, workers: int, elements: int, steps: int) 
 
 def run_config(partition_bytes: int, workers: int, elements: int, steps: int) -> dict[str, float]:
     """One job at ``partition_bytes``; per-step CPU of a worker (mean) and of the server."""
-    env = {
-        **os.environ,
-        "KVSTORE_PARTITION_BYTES": str(partition_bytes),
-        "KVSTORE_LOG_LEVEL": "ERROR",
-    }
+    env = {**os.environ, "KVSTORE_PARTITION_BYTES": str(partition_bytes)}
     py = sys.executable
-    server = subprocess.Popen(
-        [py, "-m", "kvstore.server", "--num-workers", str(workers), "--threads", "2"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
+    server, address = start_server(
+        [py, "-m", "kvstore.server", "--num-workers", str(workers), "--threads", "2"], env
     )
     try:
-        line = server.stdout.readline()
-        if not line.startswith("KVSTORE_READY"):
-            raise RuntimeError(f"server did not start: {line!r}")
-        address = line.split()[1]
         children = []
         for rank in range(workers):
             command = [py, str(HERE), "--role", "kv-worker", "--address", address]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, machine  # noqa: E402
+from common import emit, machine, start_server  # noqa: E402
 
 from kvstore._malloc import tune_malloc  # noqa: E402
 from kvstore.config import DEFAULT_PARTITION_BYTES  # noqa: E402
@@ -170,17 +169,6 @@ def kv_worker(
 # orchestration -------------------------------------------------------------------------------
 
 
-def _start_server(command: list[str]) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, text=True, env={**os.environ, "KVSTORE_LOG_LEVEL": "ERROR"}
-    )
-    line = process.stdout.readline()
-    if not line.startswith("KVSTORE_READY"):
-        process.kill()
-        raise RuntimeError(f"server did not start: {line!r}")
-    return process, line.split()[1]
-
-
 def run_config(name: str, workers: int, elements: int, steps: int) -> list[float]:
     """Start a server and the workers of one configuration; return all workers' step times."""
     py = sys.executable
@@ -191,7 +179,7 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
         server_cmd += ["--pipelined"] if name.endswith("pipelined") else []
     else:
         server_cmd = [py, "-m", "kvstore.server", "--num-workers", str(workers), "--threads", "2"]
-    server, address = _start_server(server_cmd)
+    server, address = start_server(server_cmd)
     try:
         children = []
         for rank in range(workers):

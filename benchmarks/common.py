@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmarks: JSON-lines output, an environment stamp, robust timing."""
+"""Shared helpers of the benchmarks: JSON-lines output, an environment stamp, robust timing,
+starting a server process."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -69,3 +71,25 @@ def interleaved_medians(
             fn()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def start_server(
+    command: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start a server process from ``command`` and wait for its ``KVSTORE_READY`` line.
+
+    Returns the process and its address. ``env`` defaults to this process's environment; the
+    server logs errors only. A server that prints anything else first is killed.
+    """
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**(os.environ if env is None else env), "KVSTORE_LOG_LEVEL": "ERROR"},
+    )
+    line = process.stdout.readline()
+    if not line.startswith("KVSTORE_READY"):
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"server did not start: {line!r}")
+    return process, line.split()[1]
