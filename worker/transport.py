@@ -38,7 +38,6 @@ dead server never leaves a worker hanging.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import ipaddress
 import itertools
 import logging
@@ -145,8 +144,8 @@ class Request:
         per step.
         """
         reply = self._reply
-        if reply is not None and reply.payloads:
-            self._reply = dataclasses.replace(reply, payloads=[])
+        if reply is not None and reply.payloads:  # (never the shared, empty _ACKNOWLEDGED)
+            reply.payloads = []  # a received reply belongs to this request alone
 
     def _complete(self, reply: Message | None, error: BaseException | None) -> None:
         if self._done:
