@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, machine, start_server  # noqa: E402
+from common import emit, machine, start_server, stop_processes  # noqa: E402
 
 from kvstore.config import DEFAULT_PARTITION_BYTES  # noqa: E402
 
@@ -98,8 +98,8 @@ def run_config(partition_bytes: int, workers: int, elements: int, steps: int) ->
     server, address = start_server(
         [py, "-m", "kvstore.server", "--num-workers", str(workers), "--threads", "2"], env
     )
+    children: list[subprocess.Popen] = []
     try:
-        children = []
         for rank in range(workers):
             command = [py, str(HERE), "--role", "kv-worker", "--address", address]
             command += ["--rank", str(rank), "--workers", str(workers)]
@@ -125,6 +125,7 @@ def run_config(partition_bytes: int, workers: int, elements: int, steps: int) ->
             "chunks": results[0]["chunks"],
         }
     finally:
+        stop_processes(children)
         if server.poll() is None:
             server.terminate()
         server.wait(30)

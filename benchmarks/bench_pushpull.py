@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, machine, start_server  # noqa: E402
+from common import emit, machine, start_server, stop_processes  # noqa: E402
 
 from kvstore._malloc import tune_malloc  # noqa: E402
 from kvstore.config import DEFAULT_PARTITION_BYTES  # noqa: E402
@@ -180,8 +180,8 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
     else:
         server_cmd = [py, "-m", "kvstore.server", "--num-workers", str(workers), "--threads", "2"]
     server, address = start_server(server_cmd)
+    children: list[subprocess.Popen] = []
     try:
-        children = []
         for rank in range(workers):
             command = [py, str(HERE), "--address", address, "--elements", str(elements)]
             command += ["--steps", str(steps), "--workers", str(workers), "--rank", str(rank)]
@@ -202,6 +202,7 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
             times += json.loads(out.strip().splitlines()[-1])["times"]
         return times
     finally:
+        stop_processes(children)
         if server.poll() is None:
             server.terminate()
         server.wait(30)

@@ -93,3 +93,12 @@ def start_server(
         process.wait()
         raise RuntimeError(f"server did not start: {line!r}")
     return process, line.split()[1]
+
+
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """Kill the processes still running (a run that failed part-way) and reap them all."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+    for process in processes:
+        process.wait()
