@@ -23,6 +23,10 @@ their ratio, and ``cpu_busy``: the share of this machine's cores in use during t
 steps. All hosts share this machine's cores, kernel networking included, so where ``cpu_busy``
 is near 1 the CPU, not the links, set the pace.
 
+Every host uses the TCP congestion control ``--tcp-cc`` (default ``cubic``, Linux's default;
+``default`` keeps the machine's own, which on the development machine is ``bbr``: the README
+compares the two).
+
 Baselines on the same shaped hosts: ``torch.distributed`` gloo allreduce of the same tensors in
 fp32 and fp16, bucketed like DDP (25 MB buckets, backward order), with its ring floor
 ``2 (N-1)/N x bytes / rate``.
@@ -383,6 +387,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         return 0
     args.steps = args.steps or preset["steps"]
     rate = args.rate or preset["rate"]
+    tcp_cc = None if args.tcp_cc == "default" else args.tcp_cc
     started = time.time()
     configs = []
     for wl, n, s, placement, codec in itertools.product(
@@ -398,9 +403,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         hosts = n + s if placement == "separate" else n
         record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
                   "workers": n, "servers": s, "placement": placement, "rate_mbit": rate,
-                  "mtu": args.mtu}  # fmt: skip
+                  "mtu": args.mtu, "tcp_cc": args.tcp_cc}  # fmt: skip
         try:
-            with Cluster(hosts, rate, mtu=args.mtu) as cluster:
+            with Cluster(hosts, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
                 record.update(run_kvstore(cluster, args, wl, codec, n, s, placement))
         except Exception as exc:
             record["error"] = str(exc)[-500:]
@@ -408,9 +413,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         _append(args.out, record)
     for wl, n, baseline in baselines:
         record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n,
-                  "rate_mbit": rate, "mtu": args.mtu}  # fmt: skip
+                  "rate_mbit": rate, "mtu": args.mtu, "tcp_cc": args.tcp_cc}  # fmt: skip
         try:
-            with Cluster(n, rate, mtu=args.mtu) as cluster:
+            with Cluster(n, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
                 record.update(run_baseline(cluster, args, wl, baseline, n))
         except Exception as exc:
             record["error"] = str(exc)[-500:]
@@ -446,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--rate", type=float, help="link rate in Mbit/s")
     parser.add_argument("--mtu", type=int, default=1500)
+    parser.add_argument(
+        "--tcp-cc",
+        default="cubic",
+        help="TCP congestion control of every host (default cubic, Linux's default); "
+        "'default' keeps this machine's",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="per configuration")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     # child roles

@@ -5,6 +5,8 @@ directions of every link are shaped to the same rate with a token bucket (``tbf`
 end shapes what it sends (its uplink), the bridge's end shapes what it receives (its downlink),
 so every host has a full-duplex link of ``rate`` like a NIC on a switch. Under each shaper the
 queue is ``pfifo_fast``, which sends packets marked low-delay (IP TOS) first, like a Linux host.
+Every host's TCP congestion control is pinned (``tcp_cc``, default ``cubic``, Linux's default),
+so results do not depend on what the machine running the benchmark chose for itself.
 Processes run in a host with ``ip netns exec``. Everything is torn down on exit (processes by
 pid, then namespaces, veths and the bridge), also when the benchmark fails.
 
@@ -20,11 +22,19 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, check=check)
+
+
+DEFAULT_TCP_CC = "cubic"
+"""Linux's default congestion control; some machine images pick another (e.g. ``bbr``)."""
+
+_ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+_AVAILABLE_CC = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 
 
 def available() -> str | None:
@@ -60,6 +70,11 @@ class Cluster:
         mtu: MTU of every link (1500 is standard Ethernet; 9000 jumbo frames).
         burst_bytes: token bucket depth of the shapers.
         queue_ms: how much queue (in time at the link rate) the shapers hold before dropping.
+        tcp_cc: TCP congestion control of every host (``net.ipv4.tcp_congestion_control`` in
+            its namespace); None keeps the machine's default. A namespace may only pick one
+            the machine allows (``net.ipv4.tcp_allowed_congestion_control``, global): if
+            ``tcp_cc`` is available but not allowed, it is added to that list for the
+            cluster's lifetime and the list is restored on teardown.
     """
 
     def __init__(
@@ -70,12 +85,15 @@ class Cluster:
         mtu: int = 1500,
         burst_bytes: int = 256 * 1024,
         queue_ms: float = 20.0,
+        tcp_cc: str | None = DEFAULT_TCP_CC,
     ) -> None:
         self.num_hosts = num_hosts
         self.rate_mbit = rate_mbit
         self.mtu = mtu
         self.burst_bytes = burst_bytes
         self.queue_ms = queue_ms
+        self.tcp_cc = tcp_cc
+        self._allowed_before: str | None = None  # the global list to restore, if we widened it
         tag = f"{os.getpid() % 100000}"
         self.bridge = f"kvbr{tag}"
         self.hosts = [
@@ -95,6 +113,27 @@ class Cluster:
     def _veths(self, i: int) -> tuple[str, str]:
         tag = self.bridge[4:]
         return f"kv{tag}h{i}", f"kv{tag}b{i}"
+
+    def _pin_tcp_cc(self, netns: str) -> None:
+        """Set the namespace's TCP congestion control to ``tcp_cc`` (see the class doc)."""
+        if self.tcp_cc is None:
+            return
+        setting = f"net.ipv4.tcp_congestion_control={self.tcp_cc}"
+        argv = ("ip", "netns", "exec", netns, "sysctl", "-qw", setting)
+        if _run(*argv, check=False).returncode == 0:
+            return
+        allowed = _ALLOWED_CC.read_text().split()
+        if self.tcp_cc not in allowed and self._allowed_before is None:
+            # Outside the initial namespace only an allowed algorithm may become the default.
+            self._allowed_before = " ".join(allowed)
+            _ALLOWED_CC.write_text(" ".join([*allowed, self.tcp_cc]))
+        result = _run(*argv, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"cannot set TCP congestion control {self.tcp_cc!r} in the hosts "
+                f"({result.stderr.strip()}); available here: "
+                f"{_AVAILABLE_CC.read_text().strip()}"
+            )
 
     def _shape(self, netns: str | None, dev: str) -> None:
         """Token bucket at the link rate, queueing by TOS under it as Linux's pfifo_fast does.
@@ -130,6 +169,7 @@ class Cluster:
                 _run(*ns, "addr", "add", f"{host.address}/16", "dev", inner)
                 _run(*ns, "link", "set", inner, "up")
                 _run(*ns, "link", "set", "lo", "up")
+                self._pin_tcp_cc(host.namespace)
                 self._shape(host.namespace, inner)  # the host's uplink
                 self._shape(None, outer)  # the host's downlink
             self._up = True
@@ -180,4 +220,7 @@ class Cluster:
         for link in reversed(self._links):
             _run("ip", "link", "del", link, check=False)
         self._links.clear()
+        if self._allowed_before is not None:
+            _ALLOWED_CC.write_text(self._allowed_before)
+            self._allowed_before = None
         self._up = False

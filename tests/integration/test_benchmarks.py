@@ -65,6 +65,7 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
     for r in kv:
         assert "error" not in r, r
         assert r["seconds_per_step"] > 0 and r["floor_seconds"] > 0
+        assert r["tcp_cc"] == "cubic"
     report = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "report.py"), str(out)],
         capture_output=True,
@@ -93,3 +94,29 @@ def test_cluster_floors_count_the_bytes_each_codec_moves():
     # a worker on the server's host crosses no link
     _, colocated = floor_seconds(keys, "none", 1, [0], [0], rate)
     assert colocated == 0
+
+
+@pytest.mark.parametrize("algorithm", ["reno", "cubic"])
+def test_cluster_hosts_use_the_pinned_congestion_control(algorithm):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from netns import _ALLOWED_CC, _AVAILABLE_CC, Cluster, available
+
+    why_not = available()
+    if why_not is not None:
+        pytest.skip(why_not)
+    if algorithm not in _AVAILABLE_CC.read_text().split():
+        pytest.skip(f"{algorithm} is not available in this kernel")
+    allowed_before = _ALLOWED_CC.read_text()
+    with Cluster(2, tcp_cc=algorithm) as cluster:
+        for host in cluster.hosts:
+            setting = subprocess.run(
+                ["ip", "netns", "exec", host.namespace, "sysctl", "-n",
+                 "net.ipv4.tcp_congestion_control"],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            assert setting.stdout.strip() == algorithm
+        namespaces = [host.namespace for host in cluster.hosts]
+    # the machine is left as it was: its allowed list, and no namespace behind
+    assert _ALLOWED_CC.read_text() == allowed_before
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in namespaces)
