@@ -363,7 +363,7 @@ def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    from netns import Cluster, available
+    from netns import Cluster, available, machine_tcp_cc
 
     preset = PRESETS[args.preset]
     pick = {
@@ -388,6 +388,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     args.steps = args.steps or preset["steps"]
     rate = args.rate or preset["rate"]
     tcp_cc = None if args.tcp_cc == "default" else args.tcp_cc
+    tcp_cc_name = tcp_cc or machine_tcp_cc()  # what the records say the hosts ran
     started = time.time()
     configs = []
     for wl, n, s, placement, codec in itertools.product(
@@ -403,7 +404,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         hosts = n + s if placement == "separate" else n
         record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
                   "workers": n, "servers": s, "placement": placement, "rate_mbit": rate,
-                  "mtu": args.mtu, "tcp_cc": args.tcp_cc}  # fmt: skip
+                  "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
         try:
             with Cluster(hosts, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
                 record.update(run_kvstore(cluster, args, wl, codec, n, s, placement))
@@ -413,7 +414,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         _append(args.out, record)
     for wl, n, baseline in baselines:
         record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n,
-                  "rate_mbit": rate, "mtu": args.mtu, "tcp_cc": args.tcp_cc}  # fmt: skip
+                  "rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
         try:
             with Cluster(n, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
                 record.update(run_baseline(cluster, args, wl, baseline, n))

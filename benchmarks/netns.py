@@ -35,6 +35,12 @@ DEFAULT_TCP_CC = "cubic"
 
 _ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 _AVAILABLE_CC = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+_DEFAULT_CC = Path("/proc/sys/net/ipv4/tcp_congestion_control")
+
+
+def machine_tcp_cc() -> str:
+    """The congestion control new namespaces inherit here (the machine's default)."""
+    return _DEFAULT_CC.read_text().strip()
 
 
 def available() -> str | None:
