@@ -104,6 +104,11 @@ class _KeyState:
     pushes_sent: list[int] = field(default_factory=list)  # per chunk; a pull follows them all
     relay_limits: list[int] = field(default_factory=list)  # per chunk; 0: pull dense values
     send_order: tuple[Chunk, ...] = ()  # the chunks in push order (see _send_order)
+    # Value prefetch (see KVStore.push): whether this key's pushes are followed by a pull, and
+    # the requests of the last push that asked for the values (per chunk), not yet pulled.
+    pulled_after_push: bool = False
+    pushed_since_pull: bool = False
+    prefetched: list[Request | None] | None = None
 
     def relay_offer(self, chunk: Chunk) -> dict[str, int]:
         """The request field offering to take a relayed value of ``chunk`` (none: dense)."""
@@ -631,6 +636,15 @@ class KVStore:
         Returns once the values are encoded (their memory is free to reuse), without waiting
         for the network. Lists of keys are encoded and sent one after another and overlap.
 
+        In ``dist_sync``, once a key's push was followed by a pull, its later pushes also ask
+        the servers for the round's value (a pushpull whose reply the client keeps until the
+        pull): the values start coming back as each chunk's round completes, while the rest
+        of a long list is still being encoded, instead of after ``pull`` is called, and a
+        chunk costs one request instead of two. The pull that follows then only copies them
+        into ``out``. A push whose values were not pulled before the key's next push turns
+        this off for the key until a pull follows a push again, so jobs that push without
+        pulling do not receive values they never read.
+
         Args:
             key: a key or a list of keys (each initialised).
             value: an array/tensor per key, of the key's shape and dtype; GPU values are
@@ -644,7 +658,54 @@ class KVStore:
         for state, v in work:
             self._check_value(state, v, "value")
         for state, v in work:
-            self._send_pushes(state, v, Op.PUSH, priority)
+            if self._prefetch_values(state):
+                requests = self._send_pushes(state, v, Op.PUSHPULL, priority)
+                prefetched: list[Request | None] = [None] * len(state.chunks)
+                for chunk, request in zip(state.send_order, requests, strict=True):
+                    prefetched[chunk.index] = request
+                state.prefetched = prefetched
+            else:
+                self._send_pushes(state, v, Op.PUSH, priority)
+            state.pushed_since_pull = True
+
+    def _prefetch_values(self, state: _KeyState) -> bool:
+        """Whether the push about to be sent for ``state`` should ask for the round's values."""
+        if state.prefetched is not None:
+            # The previous push's values were never pulled: stop asking for them.
+            state.prefetched = None
+            state.pulled_after_push = False
+        return self.type != "dist_async" and state.pulled_after_push
+
+    def _pull_requests(self, state: _KeyState, landing: _Landing, priority: int) -> list[Request]:
+        """One request per chunk whose reply fills ``landing``: the last push's own, where it
+        asked for the values, else a new pull."""
+        prefetched, state.prefetched = state.prefetched, None
+        if state.pushed_since_pull and prefetched is None:
+            state.pulled_after_push = True  # the next push asks for the values
+        state.pushed_since_pull = False
+        requests = []
+        for chunk in state.chunks:
+            request = prefetched[chunk.index] if prefetched is not None else None
+            if request is not None:
+                callback = landing.callback(chunk)
+                if callback is not None:
+                    request.add_done_callback(callback)
+            else:
+                request = self._transport.submit(
+                    chunk.server,
+                    Op.PULL,
+                    {
+                        "k": state.key,
+                        "c": chunk.index,
+                        "af": state.pushes_sent[chunk.index],
+                        **state.relay_offer(chunk),
+                    },
+                    priority=priority,
+                    what=f"pull of key {state.key!r} chunk {chunk.index}",
+                    on_done=landing.callback(chunk),
+                )
+            requests.append(request)
+        return requests
 
     def pull(self, key: KeyArg, out: Any = None, priority: int = 0) -> None:
         """Pull values into ``out`` in place (same shape, dtype and type as at init).
@@ -667,23 +728,7 @@ class KVStore:
         pending = []
         for state, o in work:
             landing = _Landing(state, o, self._stats)
-            requests = [
-                self._transport.submit(
-                    chunk.server,
-                    Op.PULL,
-                    {
-                        "k": state.key,
-                        "c": chunk.index,
-                        "af": state.pushes_sent[chunk.index],
-                        **state.relay_offer(chunk),
-                    },
-                    priority=priority,
-                    what=f"pull of key {state.key!r} chunk {chunk.index}",
-                    on_done=landing.callback(chunk),
-                )
-                for chunk in state.chunks
-            ]
-            pending.append((landing, requests))
+            pending.append((landing, self._pull_requests(state, landing, priority)))
         self._receive_values(pending)
 
     def pushpull(self, key: KeyArg, value: Any, out: Any = None, priority: int = 0) -> None:
@@ -698,6 +743,8 @@ class KVStore:
             self._check_value(state, o, "out")
         pending = []
         for state, v, o in work:
+            state.prefetched = None  # an unpulled push's values: this pushpull supersedes them
+            state.pushed_since_pull = False
             landing = _Landing(state, o, self._stats)
             pending.append((landing, self._send_pushes(state, v, Op.PUSHPULL, priority, landing)))
         self._receive_values(pending)

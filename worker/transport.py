@@ -97,6 +97,7 @@ class Request:
         "_reply",
         "_error",
         "_done_cb",
+        "_completing",
     )
 
     def __init__(self, rid: int, server: int, op: Op, what: str, nbytes: int) -> None:
@@ -112,6 +113,7 @@ class Request:
         self._reply: Message | None = None
         self._error: BaseException | None = None
         self._done_cb: Callable[[Request], None] | None = None
+        self._completing = False  # the reply is in; a callback added now runs at once
 
     def done(self) -> bool:
         return self._done
@@ -147,14 +149,28 @@ class Request:
         if reply is not None and reply.payloads:  # (never the shared, empty _ACKNOWLEDGED)
             reply.payloads = []  # a received reply belongs to this request alone
 
+    def add_done_callback(self, callback: Callable[[Request], None]) -> None:
+        """Run ``callback(self)`` when the request completes: on the I/O thread as it does,
+        or here and now if its reply is already in. At most one callback per request."""
+        with _CALLBACK_LOCK:
+            if not self._completing:
+                self._done_cb = callback
+                return
+        callback(self)
+
     def _complete(self, reply: Message | None, error: BaseException | None) -> None:
-        if self._done:
+        if self._done or self._completing:
             return
         self._reply, self._error = reply, error
-        if self._done_cb is not None:
+        # The lock orders this against add_done_callback: a callback is either seen here or
+        # run by whoever adds it, never lost between the two threads.
+        with _CALLBACK_LOCK:
+            self._completing = True
+            callback = self._done_cb
+        if callback is not None:
             # Before waking anyone: whoever waits on this request sees the callback's work done.
             try:
-                self._done_cb(self)
+                callback(self)
             except Exception:
                 logger.exception("completion callback of %s failed", self.what)
         self._done = True
@@ -177,6 +193,10 @@ def wait_all(requests: Sequence[Request], timeout: float | None) -> list[Message
         raise first_error
     return replies
 
+
+_CALLBACK_LOCK = threading.Lock()
+"""Hands a request's completion callback between the caller and the I/O thread (held for a
+few bytecodes, so one lock for all requests)."""
 
 _ACKNOWLEDGED = Message(op=Op.REPLY, rid=0, fields={}, payloads=[])
 """What a push request holds when a later pull's reply acknowledged it (``ak``)."""

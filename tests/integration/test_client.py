@@ -14,6 +14,7 @@ import kvstore
 from kvstore.config import DEFAULT_BIGARRAY_BOUND
 from kvstore.server.server import INLINE_ELEMS
 from kvstore.topology import partition_elems_for, plan_chunks
+from kvstore.wire import Op
 from kvstore.worker.client import servers_on_this_host
 
 pytestmark = pytest.mark.integration
@@ -164,6 +165,77 @@ def test_a_send_queue_in_time_keeps_results_exact(servers_factory, monkeypatch):
             return kv._transport._window.rate is not None  # the window was measured
 
     assert any(run_ranks(2, worker))
+
+
+def _push_ops(kv, key):
+    return {request.op for request in kv._keys[key].last_push if request is not None}
+
+
+def test_a_push_followed_by_pulls_brings_the_values_back_itself(servers_factory):
+    # Once a key's push was followed by a pull, its next pushes ask for the round's value
+    # (PUSHPULL) and the pull takes the replies the client kept: same results, the reply
+    # buffers dropped once landed, and a second pull of the same round asks the servers again.
+    addresses = servers_factory(2, 2)
+    n = 10_007
+
+    def worker(rank):
+        with connect(addresses, rank, 2, bigarray_bound=1000, partition_bytes=4096) as kv:
+            kv.init("k", np.zeros(n, np.float32))
+            results, ops = [], []
+            for step in range(4):
+                kv.push("k", np.arange(n, dtype=np.float32) * (rank + 1) + step)
+                ops.append(_push_ops(kv, "k"))
+                out = np.empty(n, np.float32)
+                kv.pull("k", out=out)
+                results.append(out)
+            state = kv._keys["k"]
+            assert state.prefetched is None
+            for request in state.last_push:
+                assert request.wait(5).payloads == []  # landed, then released
+            again = np.empty(n, np.float32)
+            kv.pull("k", out=again)  # a fresh pull of the same round
+            kv.barrier()
+            return results, ops, again
+
+    for results, ops, again in run_ranks(2, worker):
+        assert ops == [{Op.PUSH}] + [{Op.PUSHPULL}] * 3
+        for step, out in enumerate(results):
+            np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) * 3 + 2 * step)
+        np.testing.assert_array_equal(again, results[-1])
+
+
+def test_pushes_that_nobody_pulls_stop_asking_for_values(one_server):
+    with connect([one_server], partition_bytes=4096) as kv:
+        kv.init("k", np.zeros(3000, np.float32))
+        out = np.empty(3000, np.float32)
+        kv.push("k", np.ones(3000, np.float32))
+        kv.pull("k", out=out)
+        kv.push("k", np.full(3000, 2, np.float32))
+        assert _push_ops(kv, "k") == {Op.PUSHPULL}
+        kv.push("k", np.full(3000, 3, np.float32))  # the values of the push before: unread
+        assert _push_ops(kv, "k") == {Op.PUSH} and kv._keys["k"].prefetched is None
+        kv.pull("k", out=out)
+        assert out.tolist() == [3] * 3000
+        kv.push("k", np.full(3000, 4, np.float32))  # a pull followed the push: ask again
+        assert _push_ops(kv, "k") == {Op.PUSHPULL}
+        kv.pushpull("k", np.full(3000, 5, np.float32), out=out)
+        assert out.tolist() == [5] * 3000 and kv._keys["k"].prefetched is None
+        kv.pull("k", out=out)
+        assert out.tolist() == [5] * 3000
+
+
+def test_async_pushes_never_ask_for_values(one_server):
+    # dist_async applies pushes on arrival: a pull must read the value as of the pull, not as
+    # of this worker's last push.
+    with connect([one_server], mode="dist_async") as kv:
+        kv.set_optimizer("sgd", learning_rate=1.0)
+        kv.init("k", np.zeros(8, np.float32))
+        out = np.empty(8, np.float32)
+        for _ in range(3):
+            kv.push("k", np.ones(8, np.float32))
+            assert _push_ops(kv, "k") == {Op.PUSH}
+            kv.pull("k", out=out)
+        assert out.tolist() == [-3] * 8
 
 
 def test_pull_waits_for_the_round_and_reads_own_pushes(servers_factory):
