@@ -17,8 +17,9 @@ ResNet-50 (25.6M parameters, ``shared/data/resnet50_param_shapes.json``).
 The wire floor of a configuration is the busiest link direction's payload bytes per step over
 the link rate, computed from the real placement (the same topology the workers use): a worker's
 push crosses its uplink and the server's downlink, the pull comes back the other way, and
-traffic between processes of one host crosses no link. Reported: seconds per step (every step
-starts at a barrier; a step's time is its slowest worker's; the median over steps), the floor,
+traffic between processes of one host crosses no link. Reported: seconds per step (after
+untimed warm-up steps, about ``--warmup-seconds`` at the floor's pace; every step starts at a
+barrier; a step's time is its slowest worker's; the median over steps), the floor,
 their ratio, and ``cpu_busy``: the share of this machine's cores in use during the measured
 steps. All hosts share this machine's cores, kernel networking included, so where ``cpu_busy``
 is near 1 the CPU, not the links, set the pace.
@@ -70,6 +71,7 @@ PRESETS = {
         "placements": ["separate"],
         "baselines": [],
         "steps": 2,
+        "warmup_seconds": 0.0,
         "rate": 1000.0,
     },
     "full": {
@@ -80,6 +82,7 @@ PRESETS = {
         "placements": ["separate", "colocated"],
         "baselines": ["gloo-fp32", "gloo-fp16"],
         "steps": 5,
+        "warmup_seconds": 3.0,
         "rate": 1000.0,
     },
 }
@@ -189,26 +192,46 @@ def run_worker(args: argparse.Namespace) -> None:
         kv.push(backward_names, backward_grads)
         kv.pull(names, out=params)
 
-    report = timed_steps(args.steps, kv.barrier, step)
+    report = timed_steps(args.steps, kv.barrier, step, args.warmup_steps)
     kv.close()
     print(json.dumps(report), flush=True)
 
 
-def timed_steps(steps: int, barrier: Callable[[], None], step: Callable[[], None]) -> dict:
-    """Run one warm-up step and ``steps`` timed ones, each after a barrier.
+def warmup_steps(warmup_seconds: float, floor: float) -> int:
+    """Untimed steps before the timed ones: about ``warmup_seconds`` at the floor's pace (at
+    least 1, at most :data:`MAX_WARMUP_STEPS`).
+
+    New TCP connections take seconds to reach their steady window (``cubic`` grows it by
+    time), and the first steps of a job also fault in its buffers: key10m 2 x 1 separate dense
+    took 1.2, 1.2, 1.1, 0.9, 0.75 s and then 0.66-0.69 s per step, so a single warm-up step
+    left the median of 5 timed steps on that slope in some runs and not in others. Every
+    process of a cell gets the same count (steps start at a barrier).
+    """
+    if warmup_seconds <= 0 or floor <= 0:
+        return 1
+    return max(1, min(MAX_WARMUP_STEPS, math.ceil(warmup_seconds / floor)))
+
+
+MAX_WARMUP_STEPS = 30
+
+
+def timed_steps(
+    steps: int, barrier: Callable[[], None], step: Callable[[], None], warmup: int = 1
+) -> dict:
+    """Run ``warmup`` untimed steps and ``steps`` timed ones, each after a barrier.
 
     Returns the seconds of each timed step and the wall-clock window they span (the
     orchestrator reads the machine's CPU use over it).
     """
     times = []
     window = [0.0, 0.0]
-    for index in range(steps + 1):
+    for index in range(warmup + steps):
         barrier()
-        if index == 1:
+        if index == warmup:
             window[0] = time.time()
         start = time.perf_counter()
         step()
-        if index:
+        if index >= warmup:
             times.append(time.perf_counter() - start)
     window[1] = time.time()
     barrier()
@@ -241,7 +264,7 @@ def run_gloo(args: argparse.Namespace) -> None:
         for work in works:
             work.wait()
 
-    report = timed_steps(args.steps, dist.barrier, step)
+    report = timed_steps(args.steps, dist.barrier, step, args.warmup_steps)
     dist.destroy_process_group()
     print(json.dumps(report), flush=True)
 
@@ -320,46 +343,50 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
         if not line.startswith("KVSTORE_READY"):
             raise RuntimeError(f"a server did not start: {line!r}")
         addresses.append(line.split()[1])
+    floor, busiest = floor_seconds(
+        workload(workload_name), codec, n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
+    )
+    warmup = warmup_steps(args.warmup_seconds, floor)
     workers = []
     for rank, host in enumerate(worker_hosts):
         argv = [py, str(HERE), "--role", "worker", "--addresses", ",".join(addresses),
                 "--rank", str(rank), "--num-workers", str(n), "--workload", workload_name,
-                "--codec", codec, "--steps", str(args.steps)]  # fmt: skip
+                "--codec", codec, "--steps", str(args.steps),
+                "--warmup-steps", str(warmup)]  # fmt: skip
         workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True))  # fmt: skip
     with CpuMonitor() as cpu:
         times, window = _collect(workers, f"{codec} worker", args.timeout)
     cluster.stop_processes()
-    floor, busiest = floor_seconds(
-        workload(workload_name), codec, n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
-    )
     seconds = statistics.median(times)
     return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
             "over_floor": round(seconds / floor, 3) if floor else None,
-            "busiest_link_bytes": int(busiest), "cpu_busy": cpu.busy(*window)}  # fmt: skip
+            "busiest_link_bytes": int(busiest), "cpu_busy": cpu.busy(*window),
+            "warmup_steps": warmup}  # fmt: skip
 
 
 def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
     py = sys.executable
     master = f"{cluster.hosts[0].address}:29500"
+    itemsize = 2 if baseline.endswith("fp16") else 4
+    total = sum(math.prod(shape) for _, shape in workload(workload_name)) * itemsize
+    floor = 2 * (n - 1) / n * total / cluster.rate_bytes_per_s
+    warmup = warmup_steps(args.warmup_seconds, floor)
     processes = []
     for rank in range(n):
         argv = [py, str(HERE), "--role", "gloo", "--master", master, "--rank", str(rank),
                 "--num-workers", str(n), "--workload", workload_name, "--codec", baseline,
-                "--steps", str(args.steps)]  # fmt: skip
+                "--steps", str(args.steps), "--warmup-steps", str(warmup)]  # fmt: skip
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
         processes.append(cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, env=env))  # fmt: skip
     with CpuMonitor() as cpu:
         times, window = _collect(processes, baseline, args.timeout)
     cluster.stop_processes()
-    itemsize = 2 if baseline.endswith("fp16") else 4
-    total = sum(math.prod(shape) for _, shape in workload(workload_name)) * itemsize
-    floor = 2 * (n - 1) / n * total / cluster.rate_bytes_per_s
     seconds = statistics.median(times)
     return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
             "over_floor": round(seconds / floor, 3) if floor else None,
-            "cpu_busy": cpu.busy(*window)}  # fmt: skip
+            "cpu_busy": cpu.busy(*window), "warmup_steps": warmup}  # fmt: skip
 
 
 def orchestrate(args: argparse.Namespace) -> int:
@@ -369,7 +396,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     pick = {
         k: preset[k] if getattr(args, k) is None else getattr(args, k)
         for k in preset
-        if k not in ("steps", "rate")
+        if k not in ("steps", "rate", "warmup_seconds")
     }
     try:  # unknown names fail here, before any host is built
         for name in pick["codecs"]:
@@ -386,6 +413,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         emit({"bench": "cluster", "skipped": why_not})
         return 0
     args.steps = args.steps or preset["steps"]
+    if args.warmup_seconds is None:
+        args.warmup_seconds = preset["warmup_seconds"]
     rate = args.rate or preset["rate"]
     tcp_cc = None if args.tcp_cc == "default" else args.tcp_cc
     tcp_cc_name = tcp_cc or machine_tcp_cc()  # what the records say the hosts ran
@@ -450,6 +479,12 @@ def main(argv: list[str] | None = None) -> int:
         "--baselines-only", action="store_true", help="run the baselines and not kvstore"
     )
     parser.add_argument("--steps", type=int)
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        help="untimed steps first, about this long at the floor's pace (full: 3, smoke: 0 = one "
+        "step)",
+    )
     parser.add_argument("--rate", type=float, help="link rate in Mbit/s")
     parser.add_argument("--mtu", type=int, default=1500)
     parser.add_argument(
@@ -463,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     # child roles
     parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup-steps", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--num-workers", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="key10m", help=argparse.SUPPRESS)
     parser.add_argument("--codec", default="none", help=argparse.SUPPRESS)

@@ -75,6 +75,20 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
     assert "| key1m | 2 | 1 | separate |" in report.stdout
 
 
+def test_cluster_warmup_is_about_the_requested_time_at_the_floors_pace():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_cluster import MAX_WARMUP_STEPS, timed_steps, warmup_steps
+
+    assert warmup_steps(3.0, 0.64) == 5
+    assert warmup_steps(3.0, 2.7) == 2
+    assert warmup_steps(3.0, 0.01) == MAX_WARMUP_STEPS
+    assert warmup_steps(0.0, 0.64) == 1  # smoke: one step
+    calls = []
+    report = timed_steps(3, lambda: calls.append("barrier"), lambda: calls.append("step"), 2)
+    assert len(report["times"]) == 3 and calls.count("step") == 5
+    assert calls.count("barrier") == 6  # one before each step and one at the end
+
+
 def test_cluster_floors_count_the_bytes_each_codec_moves():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from bench_cluster import floor_seconds
