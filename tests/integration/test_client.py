@@ -90,27 +90,6 @@ def test_servers_on_this_host_is_judged_from_the_addresses():
     assert (len(dense), len(compressed)) == (34, 23)
 
 
-def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):
-    addresses = servers_factory(2, 2)
-    n = 10_007
-
-    def worker(rank):
-        with connect(addresses, rank, 2, bigarray_bound=1000, partition_bytes=4096) as kv:
-            kv.init("k", np.zeros(n, np.float32))
-            results = []
-            for step in range(3):
-                kv.push("k", np.arange(n, dtype=np.float32) * (rank + 1) + step)
-                out = np.empty(n, np.float32)
-                kv.pull("k", out=out)
-                results.append(out)
-            kv.barrier()
-            return results
-
-    for results in run_ranks(2, worker):
-        for step, out in enumerate(results):
-            np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) * 3 + 2 * step)
-
-
 @pytest.mark.parametrize("compression", [None, "2bit"])
 def test_chunks_longer_than_the_inline_limit_are_summed_on_the_thread_pool(
     servers_factory, compression
@@ -171,8 +150,8 @@ def _push_ops(kv, key):
     return {request.op for request in kv._keys[key].last_push if request is not None}
 
 
-def test_a_push_followed_by_pulls_brings_the_values_back_itself(servers_factory):
-    # Once a key's push was followed by a pull, its next pushes ask for the round's value
+def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):
+    # Also: once a key's push was followed by a pull, its next pushes ask for the round's value
     # (PUSHPULL) and the pull takes the replies the client kept: same results, the reply
     # buffers dropped once landed, and a second pull of the same round asks the servers again.
     addresses = servers_factory(2, 2)
