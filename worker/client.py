@@ -592,8 +592,10 @@ class KVStore:
         priority: int,
         landing: _Landing | None = None,
     ) -> list[Request]:
+        """Encode and send every chunk of ``value`` (in the key's send order); returns the
+        requests in chunk order."""
         source = vals.flat_source(value)
-        requests = []
+        requests: list[Any] = [None] * len(state.chunks)
         with vals.device_stream(value):
             for chunk in state.send_order:
                 self._wait_push(state, chunk.index)
@@ -617,7 +619,7 @@ class KVStore:
                     request.wait()
                 state.last_push[chunk.index] = request
                 state.pushes_sent[chunk.index] += 1
-                requests.append(request)
+                requests[chunk.index] = request
                 self._stats.pushed_bytes += request.nbytes
                 self._stats.pushed_raw_bytes += chunk.numel * np.dtype(state.dtype).itemsize
                 self._stats.push_messages += 1
@@ -659,11 +661,7 @@ class KVStore:
             self._check_value(state, v, "value")
         for state, v in work:
             if self._prefetch_values(state):
-                requests = self._send_pushes(state, v, Op.PUSHPULL, priority)
-                prefetched: list[Request | None] = [None] * len(state.chunks)
-                for chunk, request in zip(state.send_order, requests, strict=True):
-                    prefetched[chunk.index] = request
-                state.prefetched = prefetched
+                state.prefetched = self._send_pushes(state, v, Op.PUSHPULL, priority)
             else:
                 self._send_pushes(state, v, Op.PUSH, priority)
             state.pushed_since_pull = True

@@ -183,6 +183,35 @@ def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):
         np.testing.assert_array_equal(again, results[-1])
 
 
+def test_replies_landed_by_the_caller_match_their_chunks(servers_factory, monkeypatch):
+    # GPU targets are filled by the caller, chunk by chunk, from the requests in chunk order,
+    # while pushes go out in send order (the slices interleaved): pushpull and a prefetched
+    # pull must hand the caller each chunk's own reply. Host memory takes that path here.
+    from kvstore.worker import client as client_module
+
+    original_init = client_module._Landing.__init__
+
+    def caller_lands(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.on_io_thread = False
+
+    monkeypatch.setattr(client_module._Landing, "__init__", caller_lands)
+    addresses = servers_factory(2, 1)
+    n = 6_000
+    with connect(addresses, bigarray_bound=1000, partition_bytes=4096) as kv:
+        kv.init("k", np.zeros(n, np.float32))
+        state = kv._keys["k"]
+        assert [c.index for c in state.send_order] != [c.index for c in state.chunks]
+        out = np.empty(n, np.float32)
+        kv.pushpull("k", np.arange(n, dtype=np.float32), out=out)
+        np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32))
+        for step in range(1, 3):  # the second push asks for the values, and its pull lands them
+            kv.push("k", np.arange(n, dtype=np.float32) + step)
+            kv.pull("k", out=out)
+            np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) + step)
+        assert _push_ops(kv, "k") == {Op.PUSHPULL}
+
+
 def test_pushes_that_nobody_pulls_stop_asking_for_values(one_server):
     with connect([one_server], partition_bytes=4096) as kv:
         kv.init("k", np.zeros(3000, np.float32))
