@@ -197,6 +197,10 @@ def run_worker(args: argparse.Namespace) -> None:
     print(json.dumps(report), flush=True)
 
 
+MAX_WARMUP_STEPS = 30
+"""Most untimed steps a cell runs (cells whose floor is tens of milliseconds)."""
+
+
 def warmup_steps(warmup_seconds: float, floor: float) -> int:
     """Untimed steps before the timed ones: about ``warmup_seconds`` at the floor's pace (at
     least 1, at most :data:`MAX_WARMUP_STEPS`).
@@ -210,9 +214,6 @@ def warmup_steps(warmup_seconds: float, floor: float) -> int:
     if warmup_seconds <= 0 or floor <= 0:
         return 1
     return max(1, min(MAX_WARMUP_STEPS, math.ceil(warmup_seconds / floor)))
-
-
-MAX_WARMUP_STEPS = 30
 
 
 def timed_steps(

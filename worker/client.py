@@ -108,7 +108,7 @@ class _KeyState:
     # the requests of the last push that asked for the values (per chunk), not yet pulled.
     pulled_after_push: bool = False
     pushed_since_pull: bool = False
-    prefetched: list[Request | None] | None = None
+    prefetched: list[Request] | None = None
 
     def relay_offer(self, chunk: Chunk) -> dict[str, int]:
         """The request field offering to take a relayed value of ``chunk`` (none: dense)."""
@@ -595,7 +595,7 @@ class KVStore:
         """Encode and send every chunk of ``value`` (in the key's send order); returns the
         requests in chunk order."""
         source = vals.flat_source(value)
-        requests: list[Any] = [None] * len(state.chunks)
+        requests: list[Any] = [None] * len(state.chunks)  # every slot filled below
         with vals.device_stream(value):
             for chunk in state.send_order:
                 self._wait_push(state, chunk.index)
@@ -668,11 +668,16 @@ class KVStore:
 
     def _prefetch_values(self, state: _KeyState) -> bool:
         """Whether the push about to be sent for ``state`` should ask for the round's values."""
+        self._forget_unpulled_values(state)
+        return self.type != "dist_async" and state.pulled_after_push
+
+    @staticmethod
+    def _forget_unpulled_values(state: _KeyState) -> None:
+        """Before a new push of ``state``: drop the last push's values if no pull took them,
+        and stop asking for them until a pull follows a push again."""
         if state.prefetched is not None:
-            # The previous push's values were never pulled: stop asking for them.
             state.prefetched = None
             state.pulled_after_push = False
-        return self.type != "dist_async" and state.pulled_after_push
 
     def _pull_requests(self, state: _KeyState, landing: _Landing, priority: int) -> list[Request]:
         """One request per chunk whose reply fills ``landing``: the last push's own, where it
@@ -681,29 +686,28 @@ class KVStore:
         if state.pushed_since_pull and prefetched is None:
             state.pulled_after_push = True  # the next push asks for the values
         state.pushed_since_pull = False
-        requests = []
-        for chunk in state.chunks:
-            request = prefetched[chunk.index] if prefetched is not None else None
-            if request is not None:
+        if prefetched is not None:
+            for chunk, request in zip(state.chunks, prefetched, strict=True):
                 callback = landing.callback(chunk)
-                if callback is not None:
+                if callback is not None:  # (None: the caller lands GPU targets itself)
                     request.add_done_callback(callback)
-            else:
-                request = self._transport.submit(
-                    chunk.server,
-                    Op.PULL,
-                    {
-                        "k": state.key,
-                        "c": chunk.index,
-                        "af": state.pushes_sent[chunk.index],
-                        **state.relay_offer(chunk),
-                    },
-                    priority=priority,
-                    what=f"pull of key {state.key!r} chunk {chunk.index}",
-                    on_done=landing.callback(chunk),
-                )
-            requests.append(request)
-        return requests
+            return prefetched
+        return [
+            self._transport.submit(
+                chunk.server,
+                Op.PULL,
+                {
+                    "k": state.key,
+                    "c": chunk.index,
+                    "af": state.pushes_sent[chunk.index],
+                    **state.relay_offer(chunk),
+                },
+                priority=priority,
+                what=f"pull of key {state.key!r} chunk {chunk.index}",
+                on_done=landing.callback(chunk),
+            )
+            for chunk in state.chunks
+        ]
 
     def pull(self, key: KeyArg, out: Any = None, priority: int = 0) -> None:
         """Pull values into ``out`` in place (same shape, dtype and type as at init).
@@ -741,7 +745,7 @@ class KVStore:
             self._check_value(state, o, "out")
         pending = []
         for state, v, o in work:
-            state.prefetched = None  # an unpulled push's values: this pushpull supersedes them
+            self._forget_unpulled_values(state)  # a pushpull is a push, and its own pull
             state.pushed_since_pull = False
             landing = _Landing(state, o, self._stats)
             pending.append((landing, self._send_pushes(state, v, Op.PUSHPULL, priority, landing)))

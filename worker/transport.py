@@ -159,7 +159,7 @@ class Request:
         callback(self)
 
     def _complete(self, reply: Message | None, error: BaseException | None) -> None:
-        if self._done or self._completing:
+        if self._completing:  # (set before _done)
             return
         self._reply, self._error = reply, error
         # The lock orders this against add_done_callback: a callback is either seen here or
