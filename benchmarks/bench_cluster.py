@@ -22,7 +22,10 @@ untimed warm-up steps, about ``--warmup-seconds`` at the floor's pace; every ste
 barrier; a step's time is its slowest worker's; the median over steps), the floor,
 their ratio, and ``cpu_busy``: the share of this machine's cores in use during the measured
 steps. All hosts share this machine's cores, kernel networking included, so where ``cpu_busy``
-is near 1 the CPU, not the links, set the pace.
+is near 1 the CPU, not the links, set the pace. It is split into ``cpu_job`` (the job's
+processes), ``cpu_steal`` (taken by the hypervisor for other virtual machines) and
+``cpu_others`` (anything else, including kernel work charged to no process of the job), so that
+a cell slowed by load from outside the job shows it.
 
 Every host uses the TCP congestion control ``--tcp-cc`` (default ``cubic``, Linux's default;
 ``default`` keeps the machine's own, which on the development machine is ``bbr``: the README
@@ -50,7 +53,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -274,18 +277,44 @@ def run_gloo(args: argparse.Namespace) -> None:
 
 
 class CpuMonitor:
-    """Samples the machine's CPU use (``/proc/stat``) every 100 ms in a background thread."""
+    """Samples the machine's CPU use (``/proc/stat``), and that of the job's processes
+    (``/proc/PID/stat``), every 100 ms in a background thread.
 
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, int, int]] = []  # (time, total jiffies, idle jiffies)
+    The emulated hosts share this machine with whatever else runs on it, and on a virtual
+    machine with the hypervisor's other guests: a cell measured while those took cores is
+    slower for reasons that are not the job's, so the split of the busy time is recorded with
+    every cell (:meth:`usage`).
+
+    Args:
+        pids: the job's processes (servers and workers; their threads are included).
+    """
+
+    def __init__(self, pids: Sequence[int] = ()) -> None:
+        # (time, total jiffies, idle jiffies, stolen jiffies, the job's jiffies)
+        self.samples: list[tuple[float, int, int, int, int]] = []
+        self._pids = list(pids)
+        self._job_ticks: dict[int, int] = {}  # last seen per process (kept once it exits)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _job(self) -> int:
+        for pid in self._pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # exited (its last value stays counted)
+                continue
+            self._job_ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+        return sum(self._job_ticks.values())
 
     def _run(self) -> None:
         while not self._stop.is_set():
             with open("/proc/stat") as f:
                 values = [int(v) for v in f.readline().split()[1:]]
-            self.samples.append((time.time(), sum(values), values[3] + values[4]))
+            steal = values[7] if len(values) > 7 else 0
+            self.samples.append(
+                (time.time(), sum(values), values[3] + values[4], steal, self._job())
+            )
             self._stop.wait(0.1)
 
     def __enter__(self) -> CpuMonitor:
@@ -296,14 +325,31 @@ class CpuMonitor:
         self._stop.set()
         self._thread.join()
 
-    def busy(self, start: float, end: float) -> float | None:
-        """Share of all cores busy between ``start`` and ``end`` (wall-clock seconds)."""
+    def usage(self, start: float, end: float) -> dict[str, float]:
+        """The cores' time between ``start`` and ``end`` (wall-clock seconds), as shares.
+
+        ``cpu_busy``: not idle (the three below together); ``cpu_job``: charged to
+        the job's processes (user and system time of their threads); ``cpu_steal``: taken by
+        the hypervisor for other guests; ``cpu_others``: the rest of the busy time, i.e. other
+        processes, and kernel work charged to no process of the job (network interrupts
+        handled in ``ksoftirqd``, for one). Empty when the window holds too few samples.
+        """
         inside = [s for s in self.samples if start <= s[0] <= end]
         if len(inside) < 2:
-            return None
-        total = inside[-1][1] - inside[0][1]
-        idle = inside[-1][2] - inside[0][2]
-        return round(1 - idle / total, 2) if total else None
+            return {}
+        first, last = inside[0], inside[-1]
+        total = last[1] - first[1]
+        if not total:
+            return {}
+        busy = 1 - (last[2] - first[2]) / total
+        steal = (last[3] - first[3]) / total
+        job = min(busy - steal, (last[4] - first[4]) / total)
+        return {
+            "cpu_busy": round(busy, 2),
+            "cpu_job": round(job, 2),
+            "cpu_steal": round(steal, 2),
+            "cpu_others": round(max(0.0, busy - steal - job), 2),
+        }
 
 
 def _collect(
@@ -356,13 +402,13 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
                 "--warmup-steps", str(warmup)]  # fmt: skip
         workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True))  # fmt: skip
-    with CpuMonitor() as cpu:
+    with CpuMonitor([p.pid for p in servers + workers]) as cpu:
         times, window = _collect(workers, f"{codec} worker", args.timeout)
     cluster.stop_processes()
     seconds = statistics.median(times)
     return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
             "over_floor": round(seconds / floor, 3) if floor else None,
-            "busiest_link_bytes": int(busiest), "cpu_busy": cpu.busy(*window),
+            "busiest_link_bytes": int(busiest), **cpu.usage(*window),
             "warmup_steps": warmup}  # fmt: skip
 
 
@@ -381,13 +427,13 @@ def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
         processes.append(cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, env=env))  # fmt: skip
-    with CpuMonitor() as cpu:
+    with CpuMonitor([p.pid for p in processes]) as cpu:
         times, window = _collect(processes, baseline, args.timeout)
     cluster.stop_processes()
     seconds = statistics.median(times)
     return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
             "over_floor": round(seconds / floor, 3) if floor else None,
-            "cpu_busy": cpu.busy(*window), "warmup_steps": warmup}  # fmt: skip
+            **cpu.usage(*window), "warmup_steps": warmup}  # fmt: skip
 
 
 def orchestrate(args: argparse.Namespace) -> int:

@@ -34,6 +34,14 @@ def load(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
     return kv, baselines, meta
 
 
+NOTABLE_STEAL = 0.05
+"""A cell's note names the hypervisor's steal from this share of the cores on."""
+
+NOTABLE_OTHERS = 0.10
+"""A cell's note names CPU use outside the job's processes from this share on (kernel network
+work charged to no process of the job is usually 0.02-0.08 of the cores)."""
+
+
 def _cell(record: dict | None) -> str:
     if record is None:
         return "-"
@@ -45,6 +53,12 @@ def _cell(record: dict | None) -> str:
         # the emulated hosts share the benchmark machine's cores: a busy machine means the
         # run measured the CPU, not the links
         notes.append(f"cpu {record['cpu_busy']:.0%}")
+        # load from outside the job (other guests of the host, other processes) slows a cell
+        # for reasons that are not the job's: say so where it was large enough to matter
+        if record.get("cpu_steal", 0) >= NOTABLE_STEAL:
+            notes.append(f"steal {record['cpu_steal']:.0%}")
+        if record.get("cpu_others", 0) >= NOTABLE_OTHERS:
+            notes.append(f"others {record['cpu_others']:.0%}")
     return f"{record['seconds_per_step']:.3f}" + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -96,7 +110,9 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
         f"TCP congestion control {kv[0].get('tcp_cc', 'the machine default')}; "
         f"median over steps of the slowest worker. Gloo's floor is its ring's "
         f"2(N-1)/N x bytes / rate. cpu: the benchmark machine's CPU use during the run "
-        f"(all emulated hosts share its cores). dense and 2-bit: SGD on the servers, weights "
+        f"(all emulated hosts share its cores); steal: of it, time the hypervisor gave other "
+        f"guests (from {NOTABLE_STEAL:.0%}); others: of it, use outside the job's processes "
+        f"(from {NOTABLE_OTHERS:.0%}). dense and 2-bit: SGD on the servers, weights "
         f"pulled dense; 2-bit agg: no server optimizer, the round's summed gradient pulled as "
         f"the relayed 2-bit pushes (dense from N = 9 on)."
         if kv

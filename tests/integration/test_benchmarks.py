@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -87,6 +88,40 @@ def test_cluster_warmup_is_about_the_requested_time_at_the_floors_pace():
     report = timed_steps(3, lambda: calls.append("barrier"), lambda: calls.append("step"), 2)
     assert len(report["times"]) == 3 and calls.count("step") == 5
     assert calls.count("barrier") == 6  # one before each step and one at the end
+
+
+def test_cluster_cpu_use_is_split_between_the_job_and_the_rest():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import time
+
+    from bench_cluster import CpuMonitor
+
+    spin = [
+        sys.executable,
+        "-c",
+        "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass",
+    ]
+    job, outsider = subprocess.Popen(spin), subprocess.Popen(spin)
+    try:
+        with CpuMonitor([job.pid]) as cpu:
+            start = time.time()
+            job.wait(timeout=30)
+            end = time.time()
+        outsider.wait(timeout=30)
+    finally:
+        for process in (job, outsider):
+            process.kill()
+            process.wait()
+    usage = cpu.usage(start, end)
+    assert set(usage) == {"cpu_busy", "cpu_job", "cpu_steal", "cpu_others"}
+    cores = os.cpu_count() or 1
+    # each spinner keeps one core busy (less where the cores are fewer than the spinners)
+    assert usage["cpu_job"] >= 0.5 / max(cores, 2), usage
+    assert usage["cpu_others"] >= 0.5 / max(cores, 2), usage
+    assert (
+        abs(usage["cpu_busy"] - usage["cpu_job"] - usage["cpu_steal"] - usage["cpu_others"]) < 0.03
+    )
+    assert cpu.usage(end + 10, end + 20) == {}  # no samples there
 
 
 def test_cluster_floors_count_the_bytes_each_codec_moves():
