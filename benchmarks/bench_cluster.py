@@ -55,6 +55,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
@@ -371,6 +372,27 @@ def _collect(
     return [max(step) for step in zip(*per_worker, strict=True)], (max(starts), min(ends))
 
 
+def _measure(
+    cluster: Any,
+    timed: list[subprocess.Popen],
+    job: list[subprocess.Popen],
+    what: str,
+    timeout: float,
+    floor: float,
+    warmup: int,
+    **extra: Any,
+) -> dict:
+    """Collect the ``timed`` processes' step times while watching the CPU (the ``job``'s
+    share apart), stop the cell's processes, and return the cell's record."""
+    with CpuMonitor([p.pid for p in job]) as cpu:
+        times, window = _collect(timed, what, timeout)
+    cluster.stop_processes()
+    seconds = statistics.median(times)
+    return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
+            "over_floor": round(seconds / floor, 3) if floor else None, **extra,
+            **cpu.usage(*window), "warmup_steps": warmup}  # fmt: skip
+
+
 def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
     if placement == "separate":
         server_hosts, worker_hosts = list(range(s)), list(range(s, s + n))
@@ -402,14 +424,8 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
                 "--warmup-steps", str(warmup)]  # fmt: skip
         workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True))  # fmt: skip
-    with CpuMonitor([p.pid for p in servers + workers]) as cpu:
-        times, window = _collect(workers, f"{codec} worker", args.timeout)
-    cluster.stop_processes()
-    seconds = statistics.median(times)
-    return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
-            "over_floor": round(seconds / floor, 3) if floor else None,
-            "busiest_link_bytes": int(busiest), **cpu.usage(*window),
-            "warmup_steps": warmup}  # fmt: skip
+    return _measure(cluster, workers, servers + workers, f"{codec} worker", args.timeout,
+                    floor, warmup, busiest_link_bytes=int(busiest))  # fmt: skip
 
 
 def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
@@ -427,13 +443,7 @@ def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
         processes.append(cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, env=env))  # fmt: skip
-    with CpuMonitor([p.pid for p in processes]) as cpu:
-        times, window = _collect(processes, baseline, args.timeout)
-    cluster.stop_processes()
-    seconds = statistics.median(times)
-    return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
-            "over_floor": round(seconds / floor, 3) if floor else None,
-            **cpu.usage(*window), "warmup_steps": warmup}  # fmt: skip
+    return _measure(cluster, processes, processes, baseline, args.timeout, floor, warmup)
 
 
 def orchestrate(args: argparse.Namespace) -> int:
