@@ -86,7 +86,7 @@ PRESETS = {
         "placements": ["separate", "colocated"],
         "baselines": ["gloo-fp32", "gloo-fp16"],
         "steps": 5,
-        "warmup_seconds": 3.0,
+        "warmup_seconds": 8.0,
         "rate": 1000.0,
     },
 }
@@ -212,8 +212,14 @@ def warmup_steps(warmup_seconds: float, floor: float) -> int:
     New TCP connections take seconds to reach their steady window (``cubic`` grows it by
     time), and the first steps of a job also fault in its buffers: key10m 2 x 1 separate dense
     took 1.2, 1.2, 1.1, 0.9, 0.75 s and then 0.66-0.69 s per step, so a single warm-up step
-    left the median of 5 timed steps on that slope in some runs and not in others. Every
-    process of a cell gets the same count (steps start at a barrier).
+    left the median of 5 timed steps on that slope in some runs and not in others. Where a
+    server's replies to several workers share its uplink, the slope is longer: their flows
+    leave slow start with heavy losses (``ss`` counted 4135 and 6254 retransmitted segments
+    on the two reply connections of ResNet-50 2 x 1 separate in its first steps) and ``cubic``
+    regrows their windows over seconds. That cell took about 3.1, 3.0, 2.0-2.4 s, in some
+    runs 1.9-2.1 s for two or three steps more, then 1.7 s per step: 3 s of warm-up left one
+    or more timed steps on the slope, 8 s (the full preset) none in three runs. Every process
+    of a cell gets the same count (steps start at a barrier).
     """
     if warmup_seconds <= 0 or floor <= 0:
         return 1
@@ -225,10 +231,12 @@ def timed_steps(
 ) -> dict:
     """Run ``warmup`` untimed steps and ``steps`` timed ones, each after a barrier.
 
-    Returns the seconds of each timed step and the wall-clock window they span (the
-    orchestrator reads the machine's CPU use over it).
+    Returns the seconds of each timed step (``times``) and of each warm-up step
+    (``warmup_times``), and the wall-clock window the timed steps span (the orchestrator reads
+    the machine's CPU use over it).
     """
-    times = []
+    times: list[float] = []
+    warmup_times: list[float] = []
     window = [0.0, 0.0]
     for index in range(warmup + steps):
         barrier()
@@ -236,11 +244,10 @@ def timed_steps(
             window[0] = time.time()
         start = time.perf_counter()
         step()
-        if index >= warmup:
-            times.append(time.perf_counter() - start)
+        (times if index >= warmup else warmup_times).append(time.perf_counter() - start)
     window[1] = time.time()
     barrier()
-    return {"times": times, "window": window}
+    return {"times": times, "warmup_times": warmup_times, "window": window}
 
 
 def run_gloo(args: argparse.Namespace) -> None:
@@ -355,10 +362,11 @@ class CpuMonitor:
 
 def _collect(
     processes: list[subprocess.Popen], what: str, timeout: float
-) -> tuple[list[float], tuple[float, float]]:
-    """The job's time per step (each step's slowest worker; steps start at a barrier), and the
-    wall-clock window of the measured steps."""
+) -> tuple[list[float], list[float], tuple[float, float]]:
+    """The job's time per timed step and per warm-up step (each step's slowest worker; steps
+    start at a barrier), and the wall-clock window of the timed steps."""
     per_worker: list[list[float]] = []
+    warmup_per_worker: list[list[float]] = []
     starts, ends = [], []
     deadline = time.monotonic() + timeout
     for process in processes:
@@ -367,9 +375,12 @@ def _collect(
             raise RuntimeError(f"{what} exited with {process.returncode}: {err[-2000:]}")
         result = json.loads(out.strip().splitlines()[-1])
         per_worker.append(result["times"])
+        warmup_per_worker.append(result["warmup_times"])
         starts.append(result["window"][0])
         ends.append(result["window"][1])
-    return [max(step) for step in zip(*per_worker, strict=True)], (max(starts), min(ends))
+    slowest = [max(step) for step in zip(*per_worker, strict=True)]
+    warmup_slowest = [max(step) for step in zip(*warmup_per_worker, strict=True)]
+    return slowest, warmup_slowest, (max(starts), min(ends))
 
 
 def _measure(
@@ -383,14 +394,21 @@ def _measure(
     **extra: Any,
 ) -> dict:
     """Collect the ``timed`` processes' step times while watching the CPU (the ``job``'s
-    share apart), stop the cell's processes, and return the cell's record."""
+    share apart), stop the cell's processes, and return the cell's record.
+
+    Besides the median, the record keeps every step's time (``step_seconds``, and
+    ``warmup_step_seconds`` for the untimed ones), so a cell whose steps had not settled
+    shows it.
+    """
     with CpuMonitor([p.pid for p in job]) as cpu:
-        times, window = _collect(timed, what, timeout)
+        times, warmup_times, window = _collect(timed, what, timeout)
     cluster.stop_processes()
     seconds = statistics.median(times)
     return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
             "over_floor": round(seconds / floor, 3) if floor else None, **extra,
-            **cpu.usage(*window), "warmup_steps": warmup}  # fmt: skip
+            **cpu.usage(*window), "warmup_steps": warmup,
+            "step_seconds": [round(t, 4) for t in times],
+            "warmup_step_seconds": [round(t, 4) for t in warmup_times]}  # fmt: skip
 
 
 def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:

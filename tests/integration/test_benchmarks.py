@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -67,6 +68,9 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
         assert "error" not in r, r
         assert r["seconds_per_step"] > 0 and r["floor_seconds"] > 0
         assert r["tcp_cc"] == "cubic"
+        # every step's time is kept; the reported time is their median
+        assert len(r["step_seconds"]) == 2 and len(r["warmup_step_seconds"]) == r["warmup_steps"]
+        assert abs(r["seconds_per_step"] - statistics.median(r["step_seconds"])) < 1e-3
     report = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "report.py"), str(out)],
         capture_output=True,
@@ -87,6 +91,7 @@ def test_cluster_warmup_is_about_the_requested_time_at_the_floors_pace():
     calls = []
     report = timed_steps(3, lambda: calls.append("barrier"), lambda: calls.append("step"), 2)
     assert len(report["times"]) == 3 and calls.count("step") == 5
+    assert len(report["warmup_times"]) == 2
     assert calls.count("barrier") == 6  # one before each step and one at the end
 
 
