@@ -5,8 +5,10 @@
 
 The table has one row per workload, workers, servers and placement: seconds per push+pull step
 for each codec of the run (dense ``none``, ``2bit``, ``2bit-agg``), each next to its wire floor
-and their ratio, and the gloo allreduce baselines for the same workers. The plot shows seconds
-per step as bars, each with its floor as a black tick.
+and their ratio, and the gloo allreduce baselines for the same workers. A cell's note also gives
+the machine's CPU use, the hypervisor's steal and other load where large, and the range of the
+timed steps where they had not settled. The plot shows seconds per step as bars, each with its
+floor as a black tick.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ NOTABLE_OTHERS = 0.10
 work charged to no process of the job is usually 0.02-0.08 of the cores)."""
 
 
+NOTABLE_SPREAD = 1.15
+"""A cell's note gives the range of its timed steps where the slowest took this many times the
+fastest: its steps had not settled (a slow TCP start, a neighbour's load), and its median is
+less sure than its neighbours'."""
+
+
+def _step_range(record: dict) -> str | None:
+    """``"steps A-B s"`` where the cell's timed steps spread by :data:`NOTABLE_SPREAD` or more."""
+    steps = record.get("step_seconds") or []
+    if len(steps) < 2 or min(steps) <= 0 or max(steps) / min(steps) < NOTABLE_SPREAD:
+        return None
+    return f"steps {min(steps):.3f}-{max(steps):.3f} s"
+
+
 def _cell(record: dict | None) -> str:
     if record is None:
         return "-"
@@ -59,6 +75,9 @@ def _cell(record: dict | None) -> str:
             notes.append(f"steal {record['cpu_steal']:.0%}")
         if record.get("cpu_others", 0) >= NOTABLE_OTHERS:
             notes.append(f"others {record['cpu_others']:.0%}")
+    spread = _step_range(record)
+    if spread:
+        notes.append(spread)
     return f"{record['seconds_per_step']:.3f}" + (f" ({', '.join(notes)})" if notes else "")
 
 

@@ -95,6 +95,18 @@ def test_cluster_warmup_is_about_the_requested_time_at_the_floors_pace():
     assert calls.count("barrier") == 6  # one before each step and one at the end
 
 
+def test_cluster_report_names_cells_whose_steps_had_not_settled():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from report import _cell
+
+    base = {"seconds_per_step": 1.7, "over_floor": 1.04, "cpu_busy": 0.3}
+    settled = _cell({**base, "step_seconds": [1.69, 1.70, 1.72, 1.71, 1.70]})
+    unsettled = _cell({**base, "step_seconds": [2.35, 1.80, 1.77, 1.73, 1.71]})
+    assert settled == "1.700 (1.04x, cpu 30%)"
+    assert unsettled == "1.700 (1.04x, cpu 30%, steps 1.710-2.350 s)"
+    assert _cell(base) == settled  # records from before step times were kept
+
+
 def test_cluster_cpu_use_is_split_between_the_job_and_the_rest():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import time
