@@ -557,8 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warmup-seconds",
         type=float,
-        help="untimed steps first, about this long at the floor's pace (full: 3, smoke: 0 = one "
-        "step)",
+        help="untimed steps first, about this long at the floor's pace (full: "
+        f"{PRESETS['full']['warmup_seconds']:g}, smoke: 0 = one step)",
     )
     parser.add_argument("--rate", type=float, help="link rate in Mbit/s")
     parser.add_argument("--mtu", type=int, default=1500)
