@@ -360,6 +360,11 @@ class CpuMonitor:
         }
 
 
+def _slowest_per_step(per_worker: list[list[float]]) -> list[float]:
+    """Each step's time for the job: its slowest worker's (every worker ran the same steps)."""
+    return [max(step) for step in zip(*per_worker, strict=True)]
+
+
 def _collect(
     processes: list[subprocess.Popen], what: str, timeout: float
 ) -> tuple[list[float], list[float], tuple[float, float]]:
@@ -378,9 +383,8 @@ def _collect(
         warmup_per_worker.append(result["warmup_times"])
         starts.append(result["window"][0])
         ends.append(result["window"][1])
-    slowest = [max(step) for step in zip(*per_worker, strict=True)]
-    warmup_slowest = [max(step) for step in zip(*warmup_per_worker, strict=True)]
-    return slowest, warmup_slowest, (max(starts), min(ends))
+    window = (max(starts), min(ends))
+    return _slowest_per_step(per_worker), _slowest_per_step(warmup_per_worker), window
 
 
 def _measure(
