@@ -43,7 +43,6 @@ NOTABLE_OTHERS = 0.10
 """A cell's note names CPU use outside the job's processes from this share on (kernel network
 work charged to no process of the job is usually 0.02-0.08 of the cores)."""
 
-
 NOTABLE_SPREAD = 1.15
 """A cell's note gives the range of its timed steps where the slowest took this many times the
 fastest: its steps had not settled (a slow TCP start, a neighbour's load), and its median is
@@ -131,7 +130,9 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
         f"2(N-1)/N x bytes / rate. cpu: the benchmark machine's CPU use during the run "
         f"(all emulated hosts share its cores); steal: of it, time the hypervisor gave other "
         f"guests (from {NOTABLE_STEAL:.0%}); others: of it, use outside the job's processes "
-        f"(from {NOTABLE_OTHERS:.0%}). dense and 2-bit: SGD on the servers, weights "
+        f"(from {NOTABLE_OTHERS:.0%}); steps: the fastest and slowest timed step, where the "
+        f"slowest took {NOTABLE_SPREAD:g}x the fastest or more. dense and 2-bit: SGD on the "
+        f"servers, weights "
         f"pulled dense; 2-bit agg: no server optimizer, the round's summed gradient pulled as "
         f"the relayed 2-bit pushes (dense from N = 9 on)."
         if kv

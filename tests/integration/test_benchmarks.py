@@ -78,6 +78,7 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
         check=True,
     )
     assert "| key1m | 2 | 1 | separate |" in report.stdout
+    assert "steps: the fastest and slowest timed step" in report.stdout  # the legend says so
 
 
 def test_cluster_warmup_is_about_the_requested_time_at_the_floors_pace():
