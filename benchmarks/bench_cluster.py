@@ -48,6 +48,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -468,9 +469,19 @@ def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
     return _measure(cluster, processes, processes, baseline, args.timeout, floor, warmup)
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """Unwind like Ctrl-C, so the open cluster's ``with`` block tears its hosts down."""
+    raise SystemExit(128 + signum)
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     from netns import Cluster, available, machine_tcp_cc
 
+    # A benchmark stopped with kill (or its terminal closed) would otherwise die without
+    # unwinding and leave namespaces, the bridge, server processes and the widened list of
+    # allowed congestion controls behind.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
     preset = PRESETS[args.preset]
     pick = {
         k: preset[k] if getattr(args, k) is None else getattr(args, k)

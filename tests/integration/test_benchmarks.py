@@ -187,3 +187,50 @@ def test_cluster_hosts_use_the_pinned_congestion_control(algorithm):
     assert _ALLOWED_CC.read_text() == allowed_before
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in namespaces)
+
+
+def test_a_cluster_benchmark_stopped_with_sigterm_tears_its_hosts_down(tmp_path):
+    import signal
+    import time
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from netns import _ALLOWED_CC, available
+
+    why_not = available()
+    if why_not is not None:
+        pytest.skip(why_not)
+    allowed_before = _ALLOWED_CC.read_text()
+    log = open(tmp_path / "stderr.txt", "w+")  # a file, not a pipe: nothing can block on it
+    bench = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "bench_cluster.py"), "--preset", "smoke",
+         "--codecs", "none", "--baselines=", "--steps", "100000"],
+        stdout=subprocess.DEVNULL, stderr=log, text=True,
+    )  # fmt: skip
+    prefix = f"kvh{bench.pid % 100000}-"
+    try:
+        deadline = time.monotonic() + 60
+        children: list[int] = []
+        while time.monotonic() < deadline and not children:  # wait until the job runs
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+            for line in listed.stdout.splitlines():
+                if line.startswith(prefix):
+                    pids = subprocess.run(
+                        ["ip", "netns", "pids", line.split()[0]], capture_output=True, text=True
+                    )
+                    children += [int(pid) for pid in pids.stdout.split()]
+            time.sleep(0.2)
+        assert children, "the benchmark started no process in its hosts"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM, log.read()[-2000:]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        log.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in listed
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert f"kvbr{bench.pid % 100000}" not in links
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}"), f"process {pid} outlived the benchmark"
+    assert _ALLOWED_CC.read_text() == allowed_before
