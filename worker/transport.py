@@ -480,10 +480,10 @@ class Transport:
     def _flush(self) -> int:
         """Hand queued messages to ZeroMQ within the window and lead limits.
 
-        Returns how long (ms) the I/O thread may sleep when no socket has anything: 1 while the
-        window holds a message back (ZeroMQ's trackers have no file descriptor to wait on),
-        until the lead limit lapses while only that holds one back (answers arrive on sockets),
-        else a second.
+        Returns how long (ms) the I/O thread may sleep when no socket has anything: while the
+        window holds a message back, the window's refill wait (ZeroMQ's trackers have no file
+        descriptor to wait on; :meth:`SendWindow.refill_wait_seconds`), until the lead limit
+        lapses while only that holds one back (answers arrive on sockets), else a second.
         """
         written = 0
         for pair in self._lanes:
@@ -510,7 +510,8 @@ class Transport:
                     if used and used + bulk > self._window.bytes:
                         # The best message must wait; control messages may still go.
                         ready = [x for x in ready if not x.windowed]
-                        wait_ms = 1
+                        refill_ms = self._window.refill_wait_seconds() * 1000
+                        wait_ms = min(wait_ms, max(1, int(refill_ms)))
                         self._window_full = True
                     elif lane.lead_blocked(self._lead, now, LEAD_PATIENCE_S):
                         ready.remove(lane)

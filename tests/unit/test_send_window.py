@@ -8,17 +8,41 @@ import socket
 
 import pytest
 
-from kvstore.worker.send_window import MIN_WINDOW_BYTES, SendWindow
+from kvstore.worker.send_window import (
+    MAX_REFILL_WAIT_S,
+    MIN_REFILL_WAIT_S,
+    MIN_WINDOW_BYTES,
+    REFILL_FRACTION,
+    SendWindow,
+)
 from kvstore.worker.transport import _crosses_a_link, _limit_unsent
 
 MB = 1_000_000
 
 
-def test_a_fixed_window_never_changes():
+def test_a_fixed_window_never_changes_but_still_measures_the_rate():
     window = SendWindow(8 * MB)
     window.observe(0, 0.0, True)
     window.observe(100 * MB, 0.05, True)
-    assert (window.bytes, window.rate) == (8 * MB, None)
+    assert window.bytes == 8 * MB
+    assert window.rate == pytest.approx(2000 * MB)
+
+
+def test_while_full_the_io_thread_waits_a_quarter_of_the_windows_drain_time():
+    window = SendWindow(8 * MB)
+    assert window.refill_wait_seconds() == MIN_REFILL_WAIT_S  # no rate yet: look every 1 ms
+    window.observe(0, 10.0, False)
+    window.observe(int(2.5 * MB), 10.02, True)  # 125 MB/s: 8 MB drain in 64 ms
+    assert window.refill_wait_seconds() == pytest.approx(REFILL_FRACTION * 8 * MB / (125 * MB))
+    assert MIN_REFILL_WAIT_S < window.refill_wait_seconds() <= MAX_REFILL_WAIT_S
+    fast = SendWindow(8 * MB)
+    fast.observe(0, 0.0, True)
+    fast.observe(100 * MB, 0.01, True)  # 10 GB/s (loopback): no longer than the floor of 1 ms
+    assert fast.refill_wait_seconds() == MIN_REFILL_WAIT_S
+    slow = SendWindow(8 * MB)
+    slow.observe(0, 0.0, True)
+    slow.observe(100_000, 0.1, True)  # 1 MB/s: capped, a recovered link is not left waiting
+    assert slow.refill_wait_seconds() == MAX_REFILL_WAIT_S
 
 
 def test_the_window_is_queue_seconds_of_the_rate_measured_while_full():
