@@ -14,6 +14,7 @@ from kvstore.topology import (
     plan_chunks,
     server_for_key,
     slice_chunking,
+    slice_spread,
     split_bounds,
     stable_key_hash,
 )
@@ -107,6 +108,29 @@ def test_slices_are_cut_into_16_chunks_and_long_ones_into_32_within_bounds():
     # A 10M key over 4 servers has short slices (2.5M elements): 9 chunks each.
     chunks = plan_chunks("w", 10_000_000, 4, bigarray_bound=MB, partition_elems=p)
     assert len(chunks) == 36
+
+
+@pytest.mark.parametrize(("workers", "per_slice"), [(1, 19), (2, 19), (3, 9), (4, 9), (8, 9)])
+def test_slices_of_a_key_split_over_more_servers_than_workers_are_cut_finer(workers, per_slice):
+    p = 1 << 20
+    assert slice_spread(4, workers) == max(1.0, 4 / workers)
+    chunks = plan_chunks(
+        "w", 10_000_000, 4, bigarray_bound=MB, partition_elems=p, num_workers=workers
+    )
+    per_server = [[c for c in chunks if c.server == s] for s in range(4)]
+    assert [len(mine) for mine in per_server] == [per_slice] * 4
+    if per_slice == 19:  # long: none shorter than an eighth partition
+        assert min(c.numel for c in chunks) >= p // 8
+    # a key on one server, compressed pushes, and loopback are not spread
+    assert slice_spread(1, 1) == 1.0
+    alone = plan_chunks("w", 2_359_296, 4, bigarray_bound=10 * MB, partition_elems=p,
+                        num_workers=workers)  # fmt: skip
+    assert alone == plan_chunks("w", 2_359_296, 4, bigarray_bound=10 * MB, partition_elems=p)
+    for fraction in (1 / 16, 0.0):
+        kwargs = dict(bigarray_bound=MB, partition_elems=p, wire_fraction=fraction)
+        assert len(plan_chunks("w", 10_000_000, 4, num_workers=workers, **kwargs)) == len(
+            plan_chunks("w", 10_000_000, 4, **kwargs)
+        )
 
 
 def test_a_slice_is_long_by_the_bytes_its_pushes_carry():
