@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -190,7 +191,6 @@ def test_cluster_hosts_use_the_pinned_congestion_control(algorithm):
 
 
 def test_a_cluster_benchmark_stopped_with_sigterm_tears_its_hosts_down(tmp_path):
-    import signal
     import time
 
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -207,9 +207,9 @@ def test_a_cluster_benchmark_stopped_with_sigterm_tears_its_hosts_down(tmp_path)
         stdout=subprocess.DEVNULL, stderr=log, text=True,
     )  # fmt: skip
     prefix = f"kvh{bench.pid % 100000}-"
+    children: list[int] = []  # the finally below reads it even if the loop never ran
     try:
         deadline = time.monotonic() + 60
-        children: list[int] = []
         while time.monotonic() < deadline and not children:  # wait until the job runs
             listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
             for line in listed.stdout.splitlines():
@@ -237,7 +237,7 @@ def _tear_down_leftovers(prefix: str, bridge: str, pids: list[int], allowed_cc: 
     for pid in pids:
         if os.path.exists(f"/proc/{pid}"):
             left.append(f"process {pid}")
-            os.kill(pid, 9)
+            os.kill(pid, signal.SIGKILL)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for name in [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]:
         left.append(f"namespace {name}")
