@@ -149,7 +149,6 @@ def floor_seconds(
             bigarray_bound=DEFAULT_BIGARRAY_BOUND,
             partition_elems=partition_elems_for(DEFAULT_PARTITION_BYTES, 4),
             wire_fraction=push_codec.pushed_fraction(numel, "float32"),
-            num_workers=num_workers,
         )
         for chunk in chunks:
             push = sum(push_codec.payload_nbytes(chunk.numel, "float32"))

@@ -70,8 +70,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "worker",
         "Largest chunk, in bytes of the uncompressed value. Each server's slice of a key is cut "
         "into 16 chunks of at most this size and at least a quarter of it (fewer where the "
-        "slice is short), a slice whose pushes carry at least 4 times this many bytes (counted "
-        "S/N times where a key is split over more servers S than there are workers N) into 32 "
+        "slice is short), a slice of a key whose pushes carry at least 4 times this many bytes "
+        "into 32 "
         "of at least an eighth, smaller at both ends where a slice is long enough, so that "
         "encoding, sending, server-side decoding and replies overlap; the "
         "send window is twice this. Smaller partitions bring a synchronous step closer to the "

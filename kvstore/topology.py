@@ -15,8 +15,7 @@ Rules (DESIGN.md, "Sharding"):
   optimizer state and reply. Pushing chunks and returning their values is a two-stage pipeline
   (a flow shop): a step takes the slice's transfer time plus about one chunk's round, so chunks
   must be small next to the slice. A slice is cut into :data:`SLICE_PARTS` chunks, a *long*
-  slice (at least :data:`LONG_SLICE_PARTITIONS` partitions, counted :func:`slice_spread` times
-  where a key is split over more servers than there are workers) into
+  slice (one whose key pushes at least :data:`LONG_SLICE_PARTITIONS` partitions) into
   :data:`LONG_SLICE_PARTS`, none longer than ``partition_elems`` (:func:`slice_chunking`).
   Chunk sizes ramp up at the start of a slice and down at its end where the slice is long
   enough for ramp steps of at least the shortest chunk (:func:`chunk_sizes`): a server's first
@@ -125,7 +124,8 @@ MIN_CHUNK_FRACTION = 4
 
 
 LONG_SLICE_PARTITIONS = 4
-"""A slice of at least this many partitions (16 MiB of fp32 by default) is a *long* slice."""
+"""A slice of a key of at least this many partitions (16 MiB of fp32 by default) is a *long*
+slice (:func:`slice_chunking`)."""
 
 LONG_SLICE_PARTS = 32
 """A long slice is cut into this many chunks, none shorter than ``partition_elems /
@@ -141,9 +141,8 @@ cells with 1 or 2 servers gained, e.g. 8 workers x 2 servers separate 1.17 -> 1.
 co-located 1.27 -> 1.14, 4 x 2 separate 1.16 -> 1.09, 8 x 1 separate 1.15 -> 1.09. Slices are
 long by the bytes their pushes carry: 2-bit pushes of the same cells were slower cut finer
 (4 x 2 separate 1.05 -> 1.09, `2-bit agg` 2 x 2 separate 1.53 -> 1.85), their rounds being
-short on the wire already. Shorter slices (key10m on 4 servers with 4 workers or more,
-ResNet-50's tensors; see :func:`slice_spread` for fewer workers) keep 16 chunks of at least a
-quarter partition: more and shorter chunks cost more CPU there than they
+short on the wire already. Slices of shorter keys (ResNet-50's tensors) keep 16 chunks of at
+least a quarter partition: more and shorter chunks cost more CPU there than they
 gained (ResNet-50 8 x 4 dense 1.22 -> 1.26, 2-bit with server SGD 2 x 2 co-located 1.15 -> 1.26,
 with 32 chunks per slice and an eighth partition for every slice)."""
 
@@ -194,21 +193,38 @@ def chunk_sizes(length: int, partition_elems: int, min_elems: int = WORD_ELEMS) 
 
 
 def slice_chunking(
-    length: int, partition_elems: int, wire_fraction: float = 1.0, spread: float = 1.0
+    length: int, partition_elems: int, wire_fraction: float = 1.0, key_elems: int | None = None
 ) -> tuple[int, int]:
     """The full and the shortest chunk length for a slice of ``length`` elements.
 
     The full length is ``length / SLICE_PARTS`` (``/ LONG_SLICE_PARTS`` for a long slice)
     within ``[shortest, partition_elems]``, a multiple of 16; the shortest is
     :func:`min_chunk_elems` of the partition (``LONG_MIN_CHUNK_FRACTION`` of it for a long
-    slice). A slice is long when its pushes put at least :data:`LONG_SLICE_PARTITIONS`
-    partitions of bytes on the network, counted ``spread`` times (:func:`slice_spread`):
-    ``wire_fraction`` is those bytes per value byte (1 dense, 1/16 for 2-bit, 0 where every
-    server is on the worker's own host), so compressed slices, whose rounds are short on the
-    wire, are not long, nor are slices on loopback, where the "wire" is the CPU that more
-    chunks would only load.
+    slice). A slice is long when the pushes of its whole key (``key_elems``, by default the
+    slice itself) put at least :data:`LONG_SLICE_PARTITIONS` partitions of bytes on the
+    network: ``wire_fraction`` is those bytes per value byte (1 dense, 1/16 for 2-bit, 0 where
+    every server is on the worker's host), so compressed slices, whose rounds are short on the
+    wire, are not long, nor are slices on loopback, where the "wire" is the CPU that more chunks
+    would only load.
+
+    Why the whole key: a worker sends the S slices of a split key side by side, and each
+    server's round of a chunk waits for that chunk from every worker, so the step trails the
+    key's transfer by about one round of every slice at once (the first rounds complete, and
+    replies start, only after a chunk of every slice arrived; the last ones leave after the last
+    pushes). A key's transfer is as long as its bytes, however many servers share it, and so is
+    the time over which finer chunks spread their CPU cost. Measured, key10m dense on 4 servers
+    (10 MB slices; 19 chunks of about 512 KiB per slice against 9 of 1 MiB, ``bench_cluster.py
+    --mtu 9000``, runs alternating, x the floor): 4 workers separate 1.25, 1.244, 1.233, 1.223,
+    1.245 -> 1.187, 1.236, 1.21, 1.206, 1.168; 8 workers separate 1.259, 1.254, 1.252, 1.263,
+    1.253 -> 1.20, 1.322, 1.167, 1.219, 1.179; 8 co-located 1.133, 1.138 -> 1.073, 1.072;
+    4 co-located 1.055, 1.063 -> 1.053, 1.064. With 1 or 2 workers these slices were long by
+    an earlier rule and gained as much (README, cluster results). Counting the slice alone
+    would have made them long only for their size: a ResNet-50 tensor of 2.36M elements whole
+    on one server, cut finer by such a rule (long from 2 partitions), lost 1.036-1.042x ->
+    1.054-1.069x with 4 workers co-located with the server.
     """
-    if length * wire_fraction * spread >= LONG_SLICE_PARTITIONS * partition_elems:
+    whole = length if key_elems is None else max(length, key_elems)
+    if whole * wire_fraction >= LONG_SLICE_PARTITIONS * partition_elems:
         parts, shortest = (
             LONG_SLICE_PARTS,
             min_chunk_elems(partition_elems, LONG_MIN_CHUNK_FRACTION),
@@ -218,27 +234,6 @@ def slice_chunking(
     wanted = -(-length // parts)
     size = min(partition_elems, max(shortest, wanted))
     return max(WORD_ELEMS, -(-size // WORD_ELEMS) * WORD_ELEMS), shortest
-
-
-def slice_spread(num_slices: int, num_workers: int) -> float:
-    """How many times a slice's bytes count toward making it long: ``S / N`` for a key split
-    over more servers than there are workers, else 1.
-
-    A step's chunk messages number ``N x S x K`` (K chunks per slice), and the step lasts as
-    long as the busier link takes: a server's, which carries N slices, or a worker's, which
-    carries its S slices side by side (so the round that trails a worker's transfer is one
-    chunk of each slice). With fewer workers than servers the step is paced by the workers'
-    links and lasts S slices, but the messages are only N/S of what they are with N = S: the
-    slices can be cut finer at the CPU per second that N = S costs. Measured for key10m
-    dense on 4 servers (``bench_cluster.py --mtu 9000 --steps 30``, runs alternating with 9
-    chunks of 1 MiB per slice): 1 worker 1.113x and 1.113x the floor -> 1.059x and 1.061x,
-    2 workers 1.16x and 1.207x -> 1.154x and 1.156x. With 4 or 8 workers the same cut cost
-    more CPU than it gained on the 2-core machine that runs every host (4 x 4 separate
-    1.38x and 1.32x -> 1.44x and 1.35x; 8 x 4 separate 1.28x -> 1.40x), so it is not made.
-    """
-    if num_slices <= 1 or num_workers <= 0 or num_workers >= num_slices:
-        return 1.0
-    return num_slices / num_workers
 
 
 def partition_elems_for(partition_bytes: int, itemsize: int) -> int:
@@ -255,7 +250,6 @@ def plan_chunks(
     bigarray_bound: int,
     partition_elems: int,
     wire_fraction: float = 1.0,
-    num_workers: int = 0,
 ) -> tuple[Chunk, ...]:
     """All chunks of a key, in element order.
 
@@ -268,8 +262,6 @@ def plan_chunks(
         wire_fraction: bytes a push puts on the network per byte of the value (the key's
             codec's :meth:`~kvstore.codecs.Codec.pushed_fraction`, 0 where every server is on
             the worker's host); decides which slices are long (:func:`slice_chunking`).
-        num_workers: N, where known (0: not); a key split over more servers than there are
-            workers is cut finer (:func:`slice_spread`). Every worker must pass the same.
 
     Returns:
         Chunks covering ``[0, numel)`` without gaps; a key of 0 elements has one empty chunk.
@@ -284,13 +276,12 @@ def plan_chunks(
         slices = [(s, lo, hi) for s, (lo, hi) in enumerate(split_bounds(numel, num_servers))]
     else:
         slices = [(server_for_key(key, num_servers), 0, numel)]
-    spread = slice_spread(len(slices), num_workers)
     chunks: list[Chunk] = []
     for server, lo, hi in slices:
         if hi == lo and numel > 0:
             continue  # a server with nothing of this key
         start = lo
-        partition, shortest = slice_chunking(hi - lo, partition_elems, wire_fraction, spread)
+        partition, shortest = slice_chunking(hi - lo, partition_elems, wire_fraction, numel)
         for size in chunk_sizes(hi - lo, partition, shortest):
             chunks.append(Chunk(len(chunks), server, start, start + size))
             start += size

@@ -496,7 +496,6 @@ class KVStore:
                         if self._servers_on_this_host
                         else self._codec.pushed_fraction(info.numel, info.dtype)
                     ),
-                    num_workers=self.num_workers,
                 )
                 states.append((_KeyState(k, info.shape, info.dtype, self._codec, chunks), v))
             requests = []

@@ -14,7 +14,6 @@ from kvstore.topology import (
     plan_chunks,
     server_for_key,
     slice_chunking,
-    slice_spread,
     split_bounds,
     stable_key_hash,
 )
@@ -105,32 +104,26 @@ def test_slices_are_cut_into_16_chunks_and_long_ones_into_32_within_bounds():
     for mine in per_server:
         assert len(mine) >= 32
         assert max(c.numel for c in mine) <= 10_000_000 // 32 + 16
-    # A 10M key over 4 servers has short slices (2.5M elements): 9 chunks each.
-    chunks = plan_chunks("w", 10_000_000, 4, bigarray_bound=MB, partition_elems=p)
-    assert len(chunks) == 36
 
 
-@pytest.mark.parametrize(("workers", "per_slice"), [(1, 19), (2, 19), (3, 9), (4, 9), (8, 9)])
-def test_slices_of_a_key_split_over_more_servers_than_workers_are_cut_finer(workers, per_slice):
+def test_a_slice_is_long_by_the_bytes_of_its_whole_key():
     p = 1 << 20
-    assert slice_spread(4, workers) == max(1.0, 4 / workers)
-    chunks = plan_chunks(
-        "w", 10_000_000, 4, bigarray_bound=MB, partition_elems=p, num_workers=workers
-    )
+    # A 10M-element key over 4 servers: 2.5M-element slices of a 10M-element (long) key, cut
+    # into 19 chunks of at least an eighth partition each; the slice alone would not be long.
+    assert slice_chunking(2_500_000, p) == (p // 4, p // 4)
+    assert slice_chunking(2_500_000, p, key_elems=10_000_000) == (p // 8, p // 8)
+    chunks = plan_chunks("w", 10_000_000, 4, bigarray_bound=MB, partition_elems=p)
     per_server = [[c for c in chunks if c.server == s] for s in range(4)]
-    assert [len(mine) for mine in per_server] == [per_slice] * 4
-    if per_slice == 19:  # long: none shorter than an eighth partition
-        assert min(c.numel for c in chunks) >= p // 8
-    # a key on one server, compressed pushes, and loopback are not spread
-    assert slice_spread(1, 1) == 1.0
-    alone = plan_chunks("w", 2_359_296, 4, bigarray_bound=10 * MB, partition_elems=p,
-                        num_workers=workers)  # fmt: skip
-    assert alone == plan_chunks("w", 2_359_296, 4, bigarray_bound=10 * MB, partition_elems=p)
+    assert [len(mine) for mine in per_server] == [19] * 4
+    assert min(c.numel for c in chunks) >= p // 8
+    # A key under 4 partitions keeps 16 chunks of at least a quarter partition, whole on one
+    # server or split; so do compressed pushes and loopback of a long key.
+    for servers, bound in ((4, 10 * MB), (4, MB), (1, MB)):
+        short = plan_chunks("w", 2_359_296, servers, bigarray_bound=bound, partition_elems=p)
+        assert min(c.numel for c in short) >= p // 4
     for fraction in (1 / 16, 0.0):
         kwargs = dict(bigarray_bound=MB, partition_elems=p, wire_fraction=fraction)
-        assert len(plan_chunks("w", 10_000_000, 4, num_workers=workers, **kwargs)) == len(
-            plan_chunks("w", 10_000_000, 4, **kwargs)
-        )
+        assert len(plan_chunks("w", 10_000_000, 4, **kwargs)) == 36
 
 
 def test_a_slice_is_long_by_the_bytes_its_pushes_carry():
@@ -157,8 +150,8 @@ def test_no_chunk_is_shorter_than_a_quarter_partition_unless_its_slice_is():
         for c in chunks:
             slices[c.server] = slices.get(c.server, 0) + c.numel
         for c in chunks:
-            # ... or an eighth in a long slice (at least 4 partitions)
-            shortest = p // 8 if slices[c.server] >= 4 * p else p // 4
+            # ... or an eighth in a long slice (of a key of at least 4 partitions)
+            shortest = p // 8 if numel >= 4 * p else p // 4
             assert c.numel >= min(shortest, slices[c.server]), (numel, servers, c)
     # A middle-sized tensor is a few chunks, not a ramp of small ones.
     middle = plan_chunks("w", 589_824, 1, bigarray_bound=MB, partition_elems=p)
