@@ -214,7 +214,8 @@ def slice_chunking(
     pushes). A key's transfer is as long as its bytes, however many servers share it, and so is
     the time over which finer chunks spread their CPU cost. Measured, key10m dense on 4 servers
     (10 MB slices; 19 chunks of about 512 KiB per slice against 9 of 1 MiB, ``bench_cluster.py
-    --mtu 9000``, runs alternating, x the floor): 4 workers separate 1.25, 1.244, 1.233, 1.223,
+    --mtu 9000``, commit ``15f9756`` against a build of it that made these slices long, runs
+    alternating, x the floor): 4 workers separate 1.25, 1.244, 1.233, 1.223,
     1.245 -> 1.187, 1.236, 1.21, 1.206, 1.168; 8 workers separate 1.259, 1.254, 1.252, 1.263,
     1.253 -> 1.20, 1.322, 1.167, 1.219, 1.179; 8 co-located 1.133, 1.138 -> 1.073, 1.072;
     4 co-located 1.055, 1.063 -> 1.053, 1.064. With 1 or 2 workers these slices were long by
