@@ -8,6 +8,7 @@ import signal
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from kvtest import REPO
@@ -227,11 +228,14 @@ def test_a_cluster_benchmark_stopped_with_sigterm_tears_its_hosts_down(tmp_path)
             bench.kill()
             bench.wait()
         log.close()
-        left = _tear_down_leftovers(prefix, f"kvbr{bench.pid % 100000}", children, allowed_before)
+        bridge = f"kvbr{bench.pid % 100000}"
+        left = _tear_down_leftovers(prefix, bridge, children, _ALLOWED_CC, allowed_before)
     assert left == [], f"the benchmark left behind: {left}"
 
 
-def _tear_down_leftovers(prefix: str, bridge: str, pids: list[int], allowed_cc: str) -> list[str]:
+def _tear_down_leftovers(
+    prefix: str, bridge: str, pids: list[int], allowed_cc_file: Path, allowed_cc: str
+) -> list[str]:
     """Remove what a stopped benchmark left (so a failing test cleans up too); says what it was."""
     left = []
     for pid in pids:
@@ -246,10 +250,7 @@ def _tear_down_leftovers(prefix: str, bridge: str, pids: list[int], allowed_cc: 
     if f" {bridge}:" in links:
         left.append(f"bridge {bridge}")
         subprocess.run(["ip", "link", "del", bridge], check=False)
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from netns import _ALLOWED_CC
-
-    if _ALLOWED_CC.read_text() != allowed_cc:
-        left.append(f"allowed congestion controls {_ALLOWED_CC.read_text().strip()!r}")
-        _ALLOWED_CC.write_text(allowed_cc)
+    if allowed_cc_file.read_text() != allowed_cc:
+        left.append(f"allowed congestion controls {allowed_cc_file.read_text().strip()!r}")
+        allowed_cc_file.write_text(allowed_cc)
     return left
