@@ -3,8 +3,9 @@
 A reply hands the array's memory to ZeroMQ, which may still be reading it after the handler
 returned. So a published array is never written again: an update writes a *spare* array and
 then publishes it, and the old one becomes a spare once every send that used it has finished
-(ZeroMQ's message trackers say when). In steady state a chunk alternates between two arrays, so
-pulls always see a whole update (never a torn one) and no update waits for a slow reader.
+(the sends' tickets say when: :class:`~kvstore.zerocopy.SendTicket`). In steady state a chunk
+alternates between two arrays, so pulls always see a whole update (never a torn one) and no
+update waits for a slow reader.
 
 All methods run on the server's event-loop thread.
 """
@@ -19,15 +20,9 @@ import numpy as np
 def _send_finished(send: Any) -> bool:
     """True once ZeroMQ no longer reads the memory of a tracked send.
 
-    ``send`` is the future returned by an asyncio ``send_multipart(..., track=True)`` (its result
-    is a ``MessageTracker``) or a tracker itself.
+    ``send`` is a :class:`~kvstore.zerocopy.SendTicket` or a pyzmq ``MessageTracker`` (both say
+    so with ``done``), or None for a send that never happened.
     """
-    if hasattr(send, "done") and callable(send.done) and not hasattr(send, "wait"):
-        if not send.done():
-            return False
-        if send.cancelled() or send.exception() is not None:
-            return True  # never sent, or failed: ZeroMQ holds no reference
-        send = send.result()
     return send is None or bool(send.done)
 
 

@@ -65,6 +65,7 @@ from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
 from kvstore.server.chunk import ChunkSpec, ChunkState, Deferred, PendingReply, PullWaiter
 from kvstore.server.optimizers import Optimizer, make_optimizer
 from kvstore.wire import Message, Op
+from kvstore.zerocopy import ZeroCopySender
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class ShardServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
         self._drain_scheduled = False
+        self._sender = ZeroCopySender()  # used on the loop thread only
         self._pool = ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix=f"kvstore-server{config.server_rank}"
         )
@@ -209,6 +211,7 @@ class ShardServer:
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._own_context:
             self._context.term()
+        self._sender.close()
 
     async def __aenter__(self) -> ShardServer:
         await self.start()
@@ -247,20 +250,20 @@ class ShardServer:
         self._schedule_drain()
 
     def _send(self, identity: bytes, frames: list[Any], track: bool = False) -> Any:
-        """Send a reply now; returns a MessageTracker when ``track`` (None if not sent)."""
+        """Send a reply now; returns its SendTicket when ``track`` (None if not sent)."""
         sock = self._socket
         if sock is None:
             return None
         try:
-            tracker = sock.send_multipart(
-                [identity, *frames], flags=zmq.NOBLOCK, copy=False, track=track
+            ticket = self._sender.send_multipart(
+                sock, [identity, *frames], flags=zmq.NOBLOCK, track=track
             )
         except zmq.ZMQError as exc:  # the worker is gone (ROUTER_MANDATORY) or we are closing
             logger.debug("reply to %s not delivered: %s", _peer(identity), exc)
-            tracker = None
+            ticket = None
         # A send can consume the socket's edge-triggered readiness: look for input again.
         self._schedule_drain()
-        return tracker
+        return ticket
 
     def _send_ack(self, reply: PendingReply, fields: dict[str, Any] | None = None) -> None:
         self._send(reply.identity, wire.reply(reply.rid, fields))

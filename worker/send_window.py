@@ -80,12 +80,13 @@ class SendWindow:
     def refill_wait_seconds(self) -> float:
         """How long the I/O thread may sleep while the window holds a message back.
 
-        ZeroMQ's message trackers have no file descriptor to wait on, so the thread has to look
-        again by itself whether the connections took enough. Looking every millisecond costs a
-        turn of the thread's loop each time (on a 1 Gbit/s link, eight turns for each 1 MiB
-        message the connections take). A quarter of the window's drain time at the measured
-        rate (:data:`REFILL_FRACTION`) still hands over the next message while at least three
-        quarters of a window are queued, so the connections never run dry waiting for it.
+        A send's ticket (:class:`~kvstore.zerocopy.SendTicket`) has no file descriptor to wait
+        on, so the thread has to look again by itself whether the connections took enough.
+        Looking every millisecond costs a turn of the thread's loop each time (on a 1 Gbit/s
+        link, eight turns for each 1 MiB message the connections take). A quarter of the
+        window's drain time at the measured rate (:data:`REFILL_FRACTION`) still hands over the
+        next message while at least three quarters of a window are queued, so the connections
+        never run dry waiting for it.
         """
         if not self.rate:
             return MIN_REFILL_WAIT_S

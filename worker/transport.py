@@ -10,7 +10,7 @@ behind megabytes of pushes in one TCP stream, and a full-duplex link carries pus
 replies at the same time instead of one after the other.
 
 Flow control: at most a window of data-lane payload, over all servers, is handed to ZeroMQ and
-not yet written to a connection (ZeroMQ's message trackers say when it was); the rest waits in
+not yet written to a connection (the sends' tickets say when it was); the rest waits in
 the transport's own queues (:class:`~kvstore.worker.send_queue.SendQueue`). The next message is
 the best across all servers' data lanes: higher ``priority`` first, small messages before bulk
 ones, then submission order. Because the window is shared, the order in which the client
@@ -26,9 +26,9 @@ A server's data lane also holds back bulk pushes while ``lead_chunks`` of its pu
 unanswered, so a worker whose TCP flows are faster does not run ahead of the others that a
 synchronous round waits for. Control-lane messages are never held back.
 
-Payload buffers are sent without copies. The caller keeps them alive and unchanged until the
-request completes (the encoders do: a chunk is not re-encoded before its previous push was
-answered).
+Payload buffers are sent without copies (:class:`~kvstore.zerocopy.ZeroCopySender`). The caller
+keeps them alive and unchanged until the request completes (the encoders do: a chunk is not
+re-encoded before its previous push was answered).
 
 A TCP server that closes its connection (it died, or was stopped) fails every request pending on
 it with :class:`~kvstore.errors.ConnectionLostError`, and later requests to it fail at once, so a
@@ -62,6 +62,7 @@ from kvstore.errors import (
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op
 from kvstore.worker.send_queue import SendQueue
 from kvstore.worker.send_window import SendWindow
+from kvstore.zerocopy import ZeroCopySender
 
 EXPRESS_BYTES = 64 * 1024
 """Messages with at most this much payload skip ahead of bulk ones and are not windowed."""
@@ -330,6 +331,7 @@ class Transport:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_pending = False
+        self._sender = ZeroCopySender()  # used by the I/O thread only
         self._lanes: list[tuple[_Lane, _Lane]] = []
         self._by_socket: dict[zmq.Socket, _Lane] = {}
         self._monitors: dict[zmq.Socket, _Lane] = {}
@@ -436,6 +438,7 @@ class Transport:
         os.close(self._wake_w)
         if self._own_context:
             self._context.term()
+        self._sender.close()
         error = KVStoreError("the store was closed before the reply arrived")
         for request in list(self._pending.values()):
             request._complete(None, error)
@@ -481,7 +484,7 @@ class Transport:
         """Hand queued messages to ZeroMQ within the window and lead limits.
 
         Returns how long (ms) the I/O thread may sleep when no socket has anything: while the
-        window holds a message back, the window's refill wait (ZeroMQ's trackers have no file
+        window holds a message back, the window's refill wait (send tickets have no file
         descriptor to wait on; :meth:`SendWindow.refill_wait_seconds`), until the lead limit
         lapses while only that holds one back (answers arrive on sockets), else a second.
         """
@@ -528,12 +531,12 @@ class Transport:
                 continue
             track = lane.windowed and bulk > 0
             try:
-                tracker = lane.sock.send_multipart(frames, copy=False, track=track)
+                ticket = self._sender.send_multipart(lane.sock, frames, track=track)
             except zmq.ZMQError as exc:
                 self._fail(request, ConnectionLostError(f"{request.what}: send failed: {exc}"))
                 continue
             if track:
-                lane.in_flight.append((tracker, bulk))
+                lane.in_flight.append((ticket, bulk))
                 self._in_flight_bytes += bulk
                 if request.op in _LEAD_OPS:
                     if not lane.unanswered:

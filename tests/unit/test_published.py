@@ -8,11 +8,10 @@ from kvstore.server.published import PublishedValue
 
 
 class FakeTracker:
+    """Says ``done`` like a SendTicket or a zmq MessageTracker."""
+
     def __init__(self) -> None:
         self.done = False
-
-    def wait(self) -> None:  # makes it look like a zmq MessageTracker
-        pass
 
 
 def test_spare_is_never_the_published_array_and_waits_for_sends():
