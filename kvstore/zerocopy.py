@@ -166,15 +166,29 @@ class _Slab:
 _slabs_lock = threading.Lock()
 _all_slabs: list[_Slab] = []  # never shrinks: see _Slab
 _idle_slabs: list[_Slab] = []  # slabs of closed senders with nothing in flight
+_orphaned_slabs: list[_Slab] = []  # slabs of closed senders that libzmq may still release
 
 
 def _take_slab() -> _Slab:
     with _slabs_lock:
+        for slab in list(_orphaned_slabs):
+            if not np.any(slab.state == _IN_FLIGHT):  # libzmq released the rest since
+                _clear(slab)
+                _orphaned_slabs.remove(slab)
+                _idle_slabs.append(slab)
         if _idle_slabs:
             return _idle_slabs.pop()
         slab = _Slab(SLAB_SLOTS)
         _all_slabs.append(slab)
         return slab
+
+
+def _clear(slab: _Slab) -> None:
+    """Forget a slab's released buffers (nothing of it may be in flight)."""
+    for slot in np.flatnonzero(slab.state == _RELEASED).tolist():
+        slab.held[slot] = None
+        slab.generation[slot] += 1
+    slab.state[:] = _FREE
 
 
 class SendTicket:
@@ -303,15 +317,18 @@ class ZeroCopySender:
             self._in_flight -= len(released)
 
     def close(self) -> None:
-        """Release the slabs once nothing is in flight (call after the sockets' context was
-        terminated, when libzmq has released every message); slabs with buffers still in
-        flight stay reserved for good."""
+        """Give the slabs back for other senders (call after closing the sockets; after the
+        context was terminated libzmq has released every message). A slab with a message
+        still in flight keeps its buffers until libzmq released them all: it is reused only
+        then."""
         self.reap()
         with _slabs_lock:
             for slab in self._slabs:
-                if not np.any(slab.state == _IN_FLIGHT):
+                if np.any(slab.state == _IN_FLIGHT):
+                    _orphaned_slabs.append(slab)
+                else:
                     _idle_slabs.append(slab)
-        self._slabs, self._free = [], []
+        self._slabs, self._free, self._in_flight = [], [], 0
 
 
 class _TrackedTicket:

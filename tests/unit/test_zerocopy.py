@@ -30,18 +30,27 @@ def context():
     ctx.destroy(linger=0)
 
 
+@pytest.fixture
+def tcp_pipe(context):
+    """A PUSH socket connected to a PULL socket over TCP on 127.0.0.1."""
+    pull = context.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    yield push, pull
+    push.close(0)
+    pull.close(0)
+
+
 def test_native_sends_are_available_with_the_installed_pyzmq():
     # Without them every zero-copy send wakes pyzmq's collector thread: a silent CPU regression.
     assert zerocopy.native_sends_available()
 
 
 @pytest.mark.parametrize("native", MODES)
-def test_frames_arrive_intact_over_tcp_and_tickets_finish(context, native):
-    pull = context.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = context.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"tcp://127.0.0.1:{port}")
+def test_frames_arrive_intact_over_tcp_and_tickets_finish(tcp_pipe, native):
+    push, pull = tcp_pipe
     sender = ZeroCopySender(native=native)
     rng = np.random.default_rng(0)
     big = rng.standard_normal(300_000).astype(np.float32)  # 1.2 MB
@@ -62,8 +71,6 @@ def test_frames_arrive_intact_over_tcp_and_tickets_finish(context, native):
         _wait_done(ticket)
     sender.reap()
     assert sender.in_flight == 0
-    push.close(0)
-    pull.close(0)
     sender.close()
 
 
@@ -113,12 +120,8 @@ def test_a_frame_that_cannot_be_sent_raises_and_is_released(context):
     sender.close()
 
 
-def test_slots_are_reused_and_released_buffers_are_not_kept(context):
-    pull = context.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = context.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"tcp://127.0.0.1:{port}")
+def test_slots_are_reused_and_released_buffers_are_not_kept(tcp_pipe):
+    push, pull = tcp_pipe
     sender = ZeroCopySender(native=True)
     buffers = [np.full(COPY_THRESHOLD, i, np.uint8) for i in range(4)]
     for i in range(SLAB_SLOTS + 100):
@@ -127,23 +130,42 @@ def test_slots_are_reused_and_released_buffers_are_not_kept(context):
         _wait_done(ticket)
     assert len(sender._slabs) == 1  # finished sends gave their slots back
     assert sender.in_flight <= zerocopy.REAP_AFTER
-    push.close(0)
-    pull.close(0)
     sender.close()
 
 
-def test_small_frames_and_received_frames_use_no_slot(context):
-    pull = context.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = context.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"tcp://127.0.0.1:{port}")
+def test_small_frames_and_received_frames_use_no_slot(tcp_pipe):
+    push, pull = tcp_pipe
     sender = ZeroCopySender(native=True)
     ticket = sender.send_multipart(
         push, [np.zeros(16, np.float32), zmq.Frame(b"x" * (2 * COPY_THRESHOLD))], track=True
     )
     assert ticket.done and sender.in_flight == 0  # copied, or shared by libzmq's refcount
     assert len(pull.recv_multipart()) == 2
+    sender.close()
+
+
+def test_a_closed_senders_slab_is_reused_once_libzmq_released_its_buffers(context):
+    push = context.socket(zmq.PUSH)
+    push.connect("inproc://zerocopy-orphan")  # no peer yet: the message stays in flight
+    sender = ZeroCopySender(native=True)
+    array = np.ones(COPY_THRESHOLD, np.uint8)
+    alive = weakref.ref(array)
+    ticket = sender.send_multipart(push, [array], track=True)
+    (slab,) = sender._slabs
+    del array
+    sender.close()  # in flight: the slab keeps the buffer and is not handed out
+    assert slab not in zerocopy._idle_slabs and alive() is not None
+    pull = context.socket(zmq.PULL)
+    pull.bind("inproc://zerocopy-orphan")
+    pull.recv(copy=False)  # received and dropped: libzmq releases the buffer
+    gc.collect()
+    _wait_done(ticket)
+    other = ZeroCopySender(native=True)
+    other.send_multipart(push, [np.ones(COPY_THRESHOLD, np.uint8)])
+    assert other._slabs == [slab]  # recycled, and the old buffer let go
+    gc.collect()
+    assert alive() is None
+    assert pull.recv() == b"\x01" * COPY_THRESHOLD
     push.close(0)
     pull.close(0)
-    sender.close()
+    other.close()
