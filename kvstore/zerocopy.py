@@ -164,7 +164,7 @@ class _Slab:
 
 
 _slabs_lock = threading.Lock()
-_all_slabs: list[_Slab] = []  # never shrinks: see _Slab
+_all_slabs: list[_Slab] = []  # never shrinks: a sender dropped without close() keeps its slabs
 _idle_slabs: list[_Slab] = []  # slabs of closed senders with nothing in flight
 _orphaned_slabs: list[_Slab] = []  # slabs of closed senders that libzmq may still release
 
@@ -173,7 +173,7 @@ def _take_slab() -> _Slab:
     with _slabs_lock:
         for slab in list(_orphaned_slabs):
             if not np.any(slab.state == _IN_FLIGHT):  # libzmq released the rest since
-                _clear(slab)
+                _release(slab)
                 _orphaned_slabs.remove(slab)
                 _idle_slabs.append(slab)
         if _idle_slabs:
@@ -183,12 +183,19 @@ def _take_slab() -> _Slab:
         return slab
 
 
-def _clear(slab: _Slab) -> None:
-    """Forget a slab's released buffers (nothing of it may be in flight)."""
-    for slot in np.flatnonzero(slab.state == _RELEASED).tolist():
+def _release(slab: _Slab) -> list[int]:
+    """Free the slots of ``slab`` that libzmq released, dropping their buffers; returns them.
+
+    A freed slot starts a new generation, so tickets of its old message read as done."""
+    released = np.flatnonzero(slab.state == _RELEASED)
+    if not len(released):
+        return []
+    slab.state[released] = _FREE  # the free function writes only slots in flight
+    slots = released.tolist()
+    for slot in slots:
         slab.held[slot] = None
         slab.generation[slot] += 1
-    slab.state[:] = _FREE
+    return slots
 
 
 class SendTicket:
@@ -306,15 +313,9 @@ class ZeroCopySender:
     def reap(self) -> None:
         """Let go of the buffers libzmq released, freeing their slots."""
         for slab in self._slabs:
-            released = np.flatnonzero(slab.state == _RELEASED)
-            if not len(released):
-                continue
-            slab.state[released] = _FREE
-            for slot in released.tolist():
-                slab.held[slot] = None
-                slab.generation[slot] += 1
-                self._free.append((slab, slot))
-            self._in_flight -= len(released)
+            slots = _release(slab)
+            self._free.extend((slab, slot) for slot in slots)
+            self._in_flight -= len(slots)
 
     def close(self) -> None:
         """Give the slabs back for other senders (call after closing the sockets; after the
