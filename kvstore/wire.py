@@ -47,12 +47,14 @@ Changing the bytes of any message (see the golden tests) requires bumping
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 import msgpack
+import zmq
 
 from kvstore.errors import ProtocolError
 
@@ -73,6 +75,8 @@ DTYPES: frozenset[str] = frozenset({"float32", "float16", "float64", "int32", "i
 """Value dtypes accepted on the wire."""
 
 MODES: frozenset[str] = frozenset({"dist_sync", "dist_async", "local"})
+
+_NOBLOCK = int(zmq.NOBLOCK)  # an int: ORing or passing pyzmq's enum flags costs a call each
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -249,12 +253,14 @@ class Message:
 def buffer_nbytes(buffer: Any) -> int:
     """Byte length of a buffer (bytes, numpy array, memoryview or zmq.Frame)."""
     kind = type(buffer)
-    if kind is bytes or kind is bytearray:
+    if kind is bytes or kind is bytearray or kind is zmq.Frame:
+        # A Frame's len() is its size in bytes. Asking it for ``nbytes`` first would cost an
+        # AttributeError and a memoryview on every received payload.
         return len(buffer)
     nbytes = getattr(buffer, "nbytes", None)  # numpy, memoryview
     if nbytes is not None:
         return nbytes
-    buf = getattr(buffer, "buffer", None)  # zmq.Frame
+    buf = getattr(buffer, "buffer", None)  # a zmq.Frame subclass
     if buf is not None:
         return memoryview(buf).nbytes
     return memoryview(buffer).nbytes
@@ -266,12 +272,10 @@ def recv_frames(sock: Any) -> list[Any]:
     Same as ``sock.recv_multipart(zmq.NOBLOCK, copy=False)``, but reads each frame's ``more``
     flag instead of querying the socket option per frame, which costs more than the receive.
     """
-    import zmq  # noqa: PLC0415  (the transports import it anyway)
-
-    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frame = sock.recv(_NOBLOCK, copy=False)
     frames = [frame]
     while frame.more:
-        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frame = sock.recv(_NOBLOCK, copy=False)
         frames.append(frame)
     return frames
 
@@ -283,6 +287,41 @@ def _header_bytes(frame: Any) -> bytes:
     if isinstance(raw, bytes):
         return raw
     return bytes(memoryview(frame))
+
+
+def _is_uint(value: Any) -> bool:
+    """The common case of :func:`_check_uint`, without a call per field (see :data:`_FIELDS`)."""
+    return type(value) is int and 0 <= value <= _INT64_MAX
+
+
+_OPS: dict[int, Op] = {int(op): op for op in Op}
+"""Ops by wire value: a dict lookup instead of an ``Op(...)`` call for every message."""
+
+_FIELDS: dict[Op, tuple[tuple[str, Any, bool, bool], ...]] = {
+    op: tuple(
+        (name, check, required, check is UINT or check is KEY) for name, check, required in schema
+    )
+    for op, schema in SCHEMA.items()
+}
+""":data:`SCHEMA` with a fourth item per field: a plain int in ``[0, 2**63)`` is valid without
+calling the validator (true for UINT and KEY fields, which are most fields of every message).
+Anything else still goes to the validator, so errors and their messages are unchanged."""
+
+_KNOWN: dict[Op, frozenset[str]] = {
+    op: frozenset(name for name, _, _ in schema) for op, schema in SCHEMA.items()
+}
+
+_packers = threading.local()
+
+
+def _pack(header: dict[str, Any]) -> bytes:
+    """``msgpack.packb(header, use_bin_type=True)`` with a packer kept per thread (a new
+    Packer per message costs as much as the packing)."""
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(header)
 
 
 def encode(
@@ -304,20 +343,21 @@ def encode(
     """
     fields = fields or {}
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": int(op), "id": rid}
-    _check_uint("id", rid)
-    schema = SCHEMA[op]
-    known = {name for name, _, _ in schema}
-    unknown = set(fields) - known
-    if unknown:
+    if not _is_uint(rid):
+        _check_uint("id", rid)
+    if not _KNOWN[op].issuperset(fields):
+        unknown = set(fields) - _KNOWN[op]
         raise ProtocolError(f"{op.name}: unknown fields {sorted(unknown)}")
-    for name, check, required in schema:
+    for name, check, required, int_ok in _FIELDS[op]:
         if name in fields:
-            check(name, fields[name])
-            header[name] = fields[name]
+            value = fields[name]
+            if not (int_ok and _is_uint(value)):
+                check(name, value)
+            header[name] = value
         elif required:
             raise ProtocolError(f"{op.name}: missing field {name!r}")
     header["nb"] = [buffer_nbytes(p) for p in payloads]
-    return [msgpack.packb(header, use_bin_type=True), *payloads]
+    return [_pack(header), *payloads]
 
 
 def decode(frames: Sequence[Any]) -> Message:
@@ -343,12 +383,14 @@ def decode(frames: Sequence[Any]) -> Message:
             f"protocol version {version!r} is not supported (this side speaks version "
             f"{PROTOCOL_VERSION}); run the same pskv version on workers and servers"
         )
+    raw_op = header.get("op")
     try:
-        op = Op(header.get("op"))
-    except ValueError:
-        raise ProtocolError(f"unknown op {header.get('op')!r}") from None
+        op = _OPS[raw_op]
+    except (KeyError, TypeError):  # TypeError: an unhashable value
+        raise ProtocolError(f"unknown op {raw_op!r}") from None
     rid = header.get("id")
-    _check_uint("id", rid)
+    if not _is_uint(rid):
+        _check_uint("id", rid)
     nbytes = header.get("nb")
     if not isinstance(nbytes, list):
         raise ProtocolError("field 'nb' (payload lengths) is missing or not a list")
@@ -358,7 +400,8 @@ def decode(frames: Sequence[Any]) -> Message:
             f"{op.name}: header declares {len(nbytes)} payload frames but {len(payloads)} arrived"
         )
     for i, (declared, frame) in enumerate(zip(nbytes, payloads, strict=True)):
-        _check_uint("nb", declared)
+        if not _is_uint(declared):
+            _check_uint("nb", declared)
         actual = buffer_nbytes(frame)
         if actual != declared:
             raise ProtocolError(
@@ -367,16 +410,18 @@ def decode(frames: Sequence[Any]) -> Message:
     allowed_counts = _PAYLOAD_COUNT.get(op)
     if allowed_counts is not None and len(payloads) not in allowed_counts:
         raise ProtocolError(f"{op.name} carries {len(payloads)} payload frames")
-    schema = SCHEMA[op]
     fields: dict[str, Any] = {}
-    for name, check, required in schema:
+    for name, check, required, int_ok in _FIELDS[op]:
         if name in header:
-            check(name, header[name])
-            fields[name] = header[name]
+            value = header[name]
+            if not (int_ok and _is_uint(value)):
+                check(name, value)
+            fields[name] = value
         elif required:
             raise ProtocolError(f"{op.name}: missing field {name!r}")
-    unknown = set(header) - {"v", "op", "id", "nb"} - set(fields)
-    if unknown:
+    # v, op, id and nb are present (checked above), so any other key is one too many.
+    if len(header) != 4 + len(fields):
+        unknown = set(header) - {"v", "op", "id", "nb"} - set(fields)
         raise ProtocolError(f"{op.name}: unknown fields {sorted(unknown)}")
     return Message(op=op, rid=rid, fields=fields, payloads=payloads)
 

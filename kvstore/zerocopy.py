@@ -49,6 +49,8 @@ REAP_AFTER = 32
 """A send first lets go of released buffers once this many are held (tickets do not need it:
 they read the slots; it only bounds the memory that released buffers keep alive)."""
 
+_SNDMORE = int(zmq.SNDMORE)
+
 _FREE = 0
 _IN_FLIGHT = 1
 _RELEASED = 2  # written by the free function, on a libzmq I/O thread
@@ -266,8 +268,9 @@ class ZeroCopySender:
             self.reap()
         parts: list[tuple[_Slab, int, int]] = []
         last = len(frames) - 1
+        flags = int(flags)  # ORing pyzmq's enum flags costs a Python-level call per frame
         for i, frame in enumerate(frames):
-            frame_flags = flags | zmq.SNDMORE if i < last else flags
+            frame_flags = flags | _SNDMORE if i < last else flags
             array = _large_array(frame)
             if array is None:
                 sock.send(frame, frame_flags, copy=False)
