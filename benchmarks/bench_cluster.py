@@ -33,7 +33,10 @@ compares the two).
 
 Baselines on the same shaped hosts: ``torch.distributed`` gloo allreduce of the same tensors in
 fp32 and fp16, bucketed like DDP (25 MB buckets, backward order), with its ring floor
-``2 (N-1)/N x bytes / rate``.
+``2 (N-1)/N x bytes / rate``; and, with ``--baselines zmq`` (not in the presets: one more cell
+per configuration), bare pyzmq moving the dense push+pull's bytes in the same chunks between
+the same processes (:mod:`bare_cluster`), run right after the configuration's kvstore cells.
+It has the dense floor; its ratio to it is how close this machine gets to the floor at all.
 
     python benchmarks/bench_cluster.py --preset smoke
     python benchmarks/bench_cluster.py --preset full --out results/cluster.jsonl
@@ -111,7 +114,9 @@ def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
 CODECS = ("none", "2bit", "2bit-agg")
 THRESHOLD = 0.5
 """The 2-bit threshold of the workers' pushes (their payload sizes set the floor)."""
-BASELINES = ("gloo-fp32", "gloo-fp16")
+GLOO_BASELINES = ("gloo-fp32", "gloo-fp16")
+BARE = "zmq"
+BASELINES = (*GLOO_BASELINES, BARE)
 
 
 def codec_setup(name: str) -> tuple[str, bool]:
@@ -282,6 +287,14 @@ def run_gloo(args: argparse.Namespace) -> None:
     print(json.dumps(report), flush=True)
 
 
+def run_bare_worker(args: argparse.Namespace) -> None:
+    from bare_cluster import bare_worker
+
+    barrier, step = bare_worker(args.addresses.split(","), workload(args.workload))
+    report = timed_steps(args.steps, barrier, step, args.warmup_steps)
+    print(json.dumps(report), flush=True)
+
+
 # orchestration -------------------------------------------------------------------------------
 
 
@@ -416,11 +429,15 @@ def _measure(
             "warmup_step_seconds": [round(t, 4) for t in warmup_times]}  # fmt: skip
 
 
-def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
+def _placement(n: int, s: int, placement: str) -> tuple[list[int], list[int]]:
+    """(host of each server, host of each worker)."""
     if placement == "separate":
-        server_hosts, worker_hosts = list(range(s)), list(range(s, s + n))
-    else:
-        server_hosts, worker_hosts = [i % n for i in range(s)], list(range(n))
+        return list(range(s)), list(range(s, s + n))
+    return [i % n for i in range(s)], list(range(n))
+
+
+def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
+    server_hosts, worker_hosts = _placement(n, s, placement)
     py = sys.executable
     servers = []
     for rank, host in enumerate(server_hosts):
@@ -429,12 +446,7 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
                 "--threads", "2"]  # fmt: skip
         env = {**os.environ, "KVSTORE_LOG_LEVEL": "WARNING"}
         servers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, text=True, env=env))
-    addresses = []
-    for process in servers:
-        line = process.stdout.readline()
-        if not line.startswith("KVSTORE_READY"):
-            raise RuntimeError(f"a server did not start: {line!r}")
-        addresses.append(line.split()[1])
+    addresses = _addresses(servers)
     floor, busiest = floor_seconds(
         workload(workload_name), codec, n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
     )
@@ -449,6 +461,42 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
                                      text=True))  # fmt: skip
     return _measure(cluster, workers, servers + workers, f"{codec} worker", args.timeout,
                     floor, warmup, busiest_link_bytes=int(busiest))  # fmt: skip
+
+
+def run_bare(cluster, args, workload_name, n, s, placement) -> dict:
+    """The ``zmq`` baseline of one configuration (:mod:`bare_cluster`), with the dense floor."""
+    server_hosts, worker_hosts = _placement(n, s, placement)
+    py = sys.executable
+    servers = []
+    for host in server_hosts:
+        argv = [py, str(HERE), "--role", "bare-server", "--host", cluster.hosts[host].address,
+                "--num-workers", str(n)]  # fmt: skip
+        servers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, text=True))
+    addresses = _addresses(servers)
+    floor, busiest = floor_seconds(
+        workload(workload_name), "none", n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
+    )
+    warmup = warmup_steps(args.warmup_seconds, floor)
+    workers = []
+    for host in worker_hosts:
+        argv = [py, str(HERE), "--role", "bare-worker", "--addresses", ",".join(addresses),
+                "--workload", workload_name, "--steps", str(args.steps),
+                "--warmup-steps", str(warmup)]  # fmt: skip
+        workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True))  # fmt: skip
+    return _measure(cluster, workers, servers + workers, "bare worker", args.timeout,
+                    floor, warmup, busiest_link_bytes=int(busiest))  # fmt: skip
+
+
+def _addresses(servers: list[subprocess.Popen]) -> list[str]:
+    """The servers' addresses, from the ``KVSTORE_READY`` line each prints once bound."""
+    addresses = []
+    for process in servers:
+        line = process.stdout.readline()
+        if not line.startswith("KVSTORE_READY"):
+            raise RuntimeError(f"a server did not start: {line!r}")
+        addresses.append(line.split()[1])
+    return addresses
 
 
 def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
@@ -509,28 +557,38 @@ def orchestrate(args: argparse.Namespace) -> int:
     tcp_cc = None if args.tcp_cc == "default" else args.tcp_cc
     tcp_cc_name = tcp_cc or machine_tcp_cc()  # what the records say the hosts ran
     started = time.time()
-    configs = []
-    for wl, n, s, placement, codec in itertools.product(
-        pick["workloads"], pick["workers"], pick["servers"], pick["placements"], pick["codecs"]
-    ):
-        if placement == "colocated" and s > n:
-            continue  # more servers than hosts
-        if not args.baselines_only:
-            configs.append((wl, n, s, placement, codec))
+    configs = [
+        (wl, n, s, placement)
+        for wl, n, s, placement in itertools.product(
+            pick["workloads"], pick["workers"], pick["servers"], pick["placements"]
+        )
+        if not (placement == "colocated" and s > n)  # more servers than hosts
+    ]
     baselines = [(wl, n, b) for wl in pick["workloads"] for n in pick["workers"] if n > 1
-                 for b in pick["baselines"]]  # fmt: skip
-    for wl, n, s, placement, codec in configs:
+                 for b in pick["baselines"] if b in GLOO_BASELINES]  # fmt: skip
+    for wl, n, s, placement in configs:
         hosts = n + s if placement == "separate" else n
-        record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
-                  "workers": n, "servers": s, "placement": placement, "rate_mbit": rate,
-                  "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
-        try:
-            with Cluster(hosts, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
-                record.update(run_kvstore(cluster, args, wl, codec, n, s, placement))
-        except Exception as exc:
-            record["error"] = str(exc)[-500:]
-        emit(record)
-        _append(args.out, record)
+        where = {"workers": n, "servers": s, "placement": placement, "rate_mbit": rate,
+                 "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
+        for codec in [] if args.baselines_only else pick["codecs"]:
+            record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
+                      **where}  # fmt: skip
+            try:
+                with Cluster(hosts, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
+                    record.update(run_kvstore(cluster, args, wl, codec, n, s, placement))
+            except Exception as exc:
+                record["error"] = str(exc)[-500:]
+            emit(record)
+            _append(args.out, record)
+        if BARE in pick["baselines"]:  # right after kvstore's cells: the same machine state
+            record = {"bench": "cluster", "system": BARE, "workload": wl, **where}
+            try:
+                with Cluster(hosts, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
+                    record.update(run_bare(cluster, args, wl, n, s, placement))
+            except Exception as exc:
+                record["error"] = str(exc)[-500:]
+            emit(record)
+            _append(args.out, record)
     for wl, n, baseline in baselines:
         record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n,
                   "rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
@@ -594,12 +652,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--addresses", help=argparse.SUPPRESS)
+    parser.add_argument("--host", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "worker":
         run_worker(args)
         return 0
     if args.role == "gloo":
         run_gloo(args)
+        return 0
+    if args.role == "bare-worker":
+        run_bare_worker(args)
+        return 0
+    if args.role == "bare-server":
+        from bare_cluster import bare_server
+
+        bare_server(args.host, args.num_workers)
         return 0
     return orchestrate(args)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 
 def load(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
+    """(kvstore cells, baseline cells: gloo and bare ``zmq``, the run's summary line)."""
     kv, baselines, meta = [], [], {}
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -31,7 +32,7 @@ def load(paths: list[str]) -> tuple[list[dict], list[dict], dict]:
                 meta = record
             elif record.get("system") == "kvstore":
                 kv.append(record)
-            elif str(record.get("system", "")).startswith("gloo"):
+            elif str(record.get("system", "")).startswith("gloo") or record.get("system") == "zmq":
                 baselines.append(record)
     return kv, baselines, meta
 
@@ -102,13 +103,20 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
     for r in kv:
         rows[(r["workload"], r["workers"], r["servers"], r["placement"])][r["codec"]] = r
     gloo: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    bare: dict[tuple, dict] = {}
     for r in baselines:
-        gloo[(r["workload"], r["workers"])][r["system"]] = r
+        if r["system"] == "zmq":
+            bare[(r["workload"], r["workers"], r["servers"], r["placement"])] = r
+            rows.setdefault((r["workload"], r["workers"], r["servers"], r["placement"]), {})
+        else:
+            gloo[(r["workload"], r["workers"])][r["system"]] = r
     codecs = _codecs(kv)
     header = ["workload", "workers", "servers", "placement"]
     for codec in codecs:
         label = CODEC_LABELS.get(codec, codec)
         header += [f"{label}: s/step (x floor, cpu)", f"{label} floor s"]
+    if bare:  # the column only where the run measured it (``--baselines zmq``)
+        header += ["bare pyzmq, dense bytes"]
     header += ["gloo fp32 allreduce", "gloo fp16 allreduce"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key in sorted(rows, key=lambda k: (k[0], k[1], k[2], k[3])):
@@ -118,6 +126,8 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
         for codec in codecs:
             record = rows[key].get(codec)
             cells += [_cell(record), _floor(record)]
+        if bare:
+            cells += [_cell(bare.get(key))]
         cells += [_cell(g.get("gloo-fp32")), _cell(g.get("gloo-fp16"))]
         lines.append("| " + " | ".join(cells) + " |")
     machine = meta.get("machine", {})
@@ -135,6 +145,13 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
         f"servers, weights "
         f"pulled dense; 2-bit agg: no server optimizer, the round's summed gradient pulled as "
         f"the relayed 2-bit pushes (dense from N = 9 on)."
+        + (
+            " bare pyzmq: the same processes moving the dense cell's bytes in the same chunks "
+            "with nothing else (benchmarks/bare_cluster.py), against the dense floor: how close "
+            "this machine gets to the floor at all."
+            if bare
+            else ""
+        )
         if kv
         else ""
     )
@@ -190,6 +207,15 @@ def plot(kv: list[dict], baselines: list[dict], path: str) -> None:
                     ys.append(match[0]["seconds_per_step"])
             if xs:
                 ax.scatter(xs, ys, marker=marker, color="tab:green", zorder=4, label=system)
+        bare = {
+            (r["workers"], r["servers"], r["placement"]): r["seconds_per_step"]
+            for r in baselines
+            if r["system"] == "zmq" and r["workload"] == workload and "seconds_per_step" in r
+        }
+        xs = [i for i, config in enumerate(configs) if config in bare]
+        if xs:
+            ax.scatter(xs, [bare[configs[i]] for i in xs], marker="x", color="black", zorder=4,
+                       label="bare pyzmq (dense bytes)")  # fmt: skip
         ax.set_xticks(x)
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel("seconds per push+pull step")

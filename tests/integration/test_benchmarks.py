@@ -60,13 +60,17 @@ def test_chunk_cost_benchmark_smoke():
 
 def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
     out = tmp_path / "cluster.jsonl"
-    records = run("bench_cluster.py", "--out", str(out))
+    records = run("bench_cluster.py", "--out", str(out), "--baselines", "zmq")
     if "skipped" in records[0]:  # no root or no iproute2 here: the harness says why
         assert records[0]["skipped"]
         return
     kv = [r for r in records if r.get("system") == "kvstore"]
     assert {r["codec"] for r in kv} == {"none", "2bit", "2bit-agg"}
-    for r in kv:
+    bare = [r for r in records if r.get("system") == "zmq"]
+    assert len(bare) == 1, records  # one bare pyzmq cell per configuration
+    dense = next(r for r in kv if r["codec"] == "none")
+    assert bare[0]["floor_seconds"] == dense["floor_seconds"]  # the dense bytes, moved bare
+    for r in [*kv, *bare]:
         assert "error" not in r, r
         assert r["seconds_per_step"] > 0 and r["floor_seconds"] > 0
         assert r["tcp_cc"] == "cubic"
@@ -80,6 +84,7 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
         check=True,
     )
     assert "| key1m | 2 | 1 | separate |" in report.stdout
+    assert "bare pyzmq, dense bytes" in report.stdout
     assert "steps: the fastest and slowest timed step" in report.stdout  # the legend says so
 
 
