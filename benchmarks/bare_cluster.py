@@ -2,18 +2,19 @@
 
 The emulated hosts share this machine's cores, the kernel's networking included, so a cell can
 be slower than its wire floor because the machine cannot move its bytes any faster, whatever
-runs on top. This baseline measures that: the same processes on the same hosts move the same
-bytes as kvstore's dense push+pull, cut into the same chunks (:func:`kvstore.topology.plan_chunks`
-with the defaults the workers use) and sent to the same servers in the same interleaved order,
-with nothing else. A worker sends every chunk of every key (backward order) as one message, a
-4-byte chunk number and the chunk's fp32 bytes, without copying; a server answers a chunk to
-every worker as soon as all N sent it, with the last copy it received (no decode, no sum, no
-optimizer); a worker copies each answer into its output array (as a pull does). There is no
-send window: ZeroMQ queues everything at once (unbounded queues on both sides).
+runs on top. This baseline measures that: processes placed like kvstore's on the same hosts
+move the same bytes as kvstore's dense push+pull, cut into the same chunks
+(:func:`kvstore.topology.plan_chunks` with the defaults the workers use) and sent to the same
+servers in the same interleaved order, with nothing else. A worker sends every chunk of every
+key (backward order) as one message, a 4-byte chunk number and the chunk's fp32 bytes, without
+copying; a server answers a chunk to every worker as soon as all N sent it, with the last copy
+it received (no decode, no sum, no optimizer); a worker copies each answer into its output
+array (as a pull does). There is no send window: ZeroMQ queues everything at once (unbounded
+queues on both sides).
 
 So ``kvstore over_floor / zmq over_floor`` in one run is what kvstore's own work costs on top of
-moving the bytes (its encode copy, the servers' sums and optimizer, its Python), and a bare cell
-far above its floor says the machine, not kvstore, set the pace there.
+moving the bytes (its encode copy, the servers' sums and optimizer, its Python, its flow
+control), and a bare cell far above its floor says the machine, not kvstore, set the pace there.
 
 Roles of ``bench_cluster.py`` (``--role bare-server`` / ``bare-worker``); the orchestration is
 ``bench_cluster.run_bare``.
