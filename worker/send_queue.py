@@ -23,24 +23,26 @@ _EXPRESS = 1 << 40  # above any priority a user passes
 
 
 class _Entry:
-    __slots__ = ("rank", "seq", "key", "item", "follower")
+    __slots__ = ("order", "key", "item", "follower")
 
     def __init__(self, rank: int, seq: int, key: Hashable, item: Any) -> None:
-        self.rank = rank
-        self.seq = seq
+        self.order = (-rank, seq)  # smaller goes first; built once, compared on every heap move
         self.key = key
         self.item = item
         self.follower: _Entry | None = None
 
     def __lt__(self, other: _Entry) -> bool:
-        return (-self.rank, self.seq) < (-other.rank, other.seq)
+        return self.order < other.order
 
 
 class SendQueue:
     """A priority queue of outgoing messages with per-key FIFO order."""
 
     def __init__(self) -> None:
-        self._ready: list[_Entry] = []  # a heap of entries with no earlier entry of their key
+        self.heads: list[_Entry] = []
+        """A heap of the entries with no earlier entry of their key: non-empty exactly when the
+        queue is, and ``heads[0].order`` is :meth:`head_order` (read by a sender choosing among
+        queues for every message, without a method call per queue)."""
         self._last: dict[Hashable, _Entry] = {}  # the latest queued entry of each key
         self._seq = itertools.count()
         self._size = 0
@@ -70,23 +72,22 @@ class SendQueue:
             if previous is not None:
                 previous.follower = entry  # becomes ready when `previous` leaves
                 return
-        heapq.heappush(self._ready, entry)
+        heapq.heappush(self.heads, entry)
 
     def peek(self) -> Any:
         """The next item, without removing it; raises IndexError when empty."""
-        return self._ready[0].item
+        return self.heads[0].item
 
     def head_order(self) -> tuple[int, int]:
         """Sort key of the next item (smaller goes first); raises IndexError when empty."""
-        head = self._ready[0]
-        return (-head.rank, head.seq)
+        return self.heads[0].order
 
     def pop(self) -> Any:
         """Remove and return the next item; raises IndexError when empty."""
-        entry = heapq.heappop(self._ready)
+        entry = heapq.heappop(self.heads)
         self._size -= 1
         if entry.follower is not None:
-            heapq.heappush(self._ready, entry.follower)
+            heapq.heappush(self.heads, entry.follower)
         elif entry.key is not None and self._last.get(entry.key) is entry:
             del self._last[entry.key]
         return entry.item

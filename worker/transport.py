@@ -237,13 +237,21 @@ class _Lane:
         few chunks keeps the workers in step. The limit lapses when nothing was answered for
         ``patience`` seconds, so workers that push in different orders cannot deadlock.
         """
-        if len(self.unanswered) < limit:
+        unanswered = self.unanswered
+        if len(unanswered) < limit:
             return False
-        kept = collections.deque(r for r in self.unanswered if not r.done())
-        if len(kept) < len(self.unanswered):
-            self.last_answer = now
-            self.unanswered = kept
-        return len(kept) >= limit and now - self.last_answer < patience
+        for request in unanswered:  # (a few requests; asked for every message the lane holds)
+            if request._done:
+                unanswered = collections.deque(r for r in unanswered if not r._done)
+                self.unanswered = unanswered
+                self.last_answer = now
+                break
+        return len(unanswered) >= limit and now - self.last_answer < patience
+
+
+def _head_order(lane: _Lane) -> tuple[int, int]:
+    """Sort key of the next message of a lane with one queued (smaller goes first)."""
+    return lane.queue.heads[0].order
 
 
 def _crosses_a_link(peer: str, own: str) -> bool:
@@ -353,6 +361,7 @@ class Transport:
                 self._by_socket[sock] = entry
                 pair.append(entry)
             self._lanes.append((pair[0], pair[1]))
+        self._all_lanes = [lane for pair in self._lanes for lane in pair]
         self._thread = threading.Thread(target=self._run, name="kvstore-io", daemon=True)
         self._thread.start()
 
@@ -489,41 +498,46 @@ class Transport:
         lapses while only that holds one back (answers arrive on sockets), else a second.
         """
         written = 0
-        for pair in self._lanes:
-            for lane in pair:
-                while lane.in_flight and lane.in_flight[0][0].done:  # sent in order per socket
-                    written += lane.in_flight.popleft()[1]
+        lanes = self._all_lanes
+        for lane in lanes:
+            while lane.in_flight and lane.in_flight[0][0].done:  # sent in order per socket
+                written += lane.in_flight.popleft()[1]
         self._in_flight_bytes -= written
-        lanes = [lane for pair in self._lanes for lane in pair]
         now = time.monotonic()
         self._window.observe(written, now, self._window_full)
         self._window_full = False
         while True:
             with self._lock:
-                ready = [lane for lane in lanes if lane.queue]
+                ready = [lane for lane in lanes if lane.queue.heads]
                 if not ready:
                     return 1000
+                # The best message goes first; one that must wait lets the next best go.
+                ready.sort(key=_head_order)
                 wait_ms = 1000
-                while ready:
-                    lane = min(ready, key=lambda x: x.queue.head_order())
+                window_full = False
+                chosen = None
+                for lane in ready:
+                    if window_full and lane.windowed:
+                        continue
                     frames, request, bulk = lane.queue.peek()
                     if not (lane.windowed and bulk):
+                        chosen = lane
                         break
                     used = self._in_flight_bytes
                     if used and used + bulk > self._window.bytes:
-                        # The best message must wait; control messages may still go.
-                        ready = [x for x in ready if not x.windowed]
+                        # The window holds every data lane back; control messages may still go.
+                        window_full = self._window_full = True
                         refill_ms = self._window.refill_wait_seconds() * 1000
                         wait_ms = min(wait_ms, max(1, int(refill_ms)))
-                        self._window_full = True
                     elif lane.lead_blocked(self._lead, now, LEAD_PATIENCE_S):
-                        ready.remove(lane)
                         lapse = LEAD_PATIENCE_S - (now - lane.last_answer)
                         wait_ms = min(wait_ms, max(1, int(lapse * 1000) + 1))
                     else:
+                        chosen = lane
                         break
-                if not ready:
+                if chosen is None:
                     return wait_ms
+                lane = chosen
                 lane.queue.pop()
                 lost = self._lost.get(lane.server)
             if lost is not None:
