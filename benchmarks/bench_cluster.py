@@ -35,7 +35,8 @@ Baselines on the same shaped hosts: ``torch.distributed`` gloo allreduce of the 
 fp32 and fp16, bucketed like DDP (25 MB buckets, backward order), with its ring floor
 ``2 (N-1)/N x bytes / rate``; and, with ``--baselines zmq`` (not in the presets: one more cell
 per configuration), bare pyzmq moving the dense push+pull's bytes in the same chunks between
-the same processes (:mod:`bare_cluster`), run right after the configuration's kvstore cells.
+processes placed like kvstore's (:mod:`bare_cluster`), run right after the configuration's
+kvstore cells.
 It has the dense floor; its ratio to it is how close this machine gets to the floor at all.
 
     python benchmarks/bench_cluster.py --preset smoke

@@ -290,7 +290,8 @@ def _header_bytes(frame: Any) -> bytes:
 
 
 def _is_uint(value: Any) -> bool:
-    """The common case of :func:`_check_uint`, without a call per field (see :data:`_FIELDS`)."""
+    """The common case of :func:`_check_uint`: a plain int in ``[0, 2**63)`` (the field loops
+    below test it inline, to save a call per field)."""
     return type(value) is int and 0 <= value <= _INT64_MAX
 
 
@@ -351,7 +352,7 @@ def encode(
     for name, check, required, int_ok in _FIELDS[op]:
         if name in fields:
             value = fields[name]
-            if not (int_ok and _is_uint(value)):
+            if not (int_ok and type(value) is int and 0 <= value <= _INT64_MAX):
                 check(name, value)
             header[name] = value
         elif required:
@@ -400,7 +401,7 @@ def decode(frames: Sequence[Any]) -> Message:
             f"{op.name}: header declares {len(nbytes)} payload frames but {len(payloads)} arrived"
         )
     for i, (declared, frame) in enumerate(zip(nbytes, payloads, strict=True)):
-        if not _is_uint(declared):
+        if not (type(declared) is int and 0 <= declared <= _INT64_MAX):
             _check_uint("nb", declared)
         actual = buffer_nbytes(frame)
         if actual != declared:
@@ -414,7 +415,7 @@ def decode(frames: Sequence[Any]) -> Message:
     for name, check, required, int_ok in _FIELDS[op]:
         if name in header:
             value = header[name]
-            if not (int_ok and _is_uint(value)):
+            if not (int_ok and type(value) is int and 0 <= value <= _INT64_MAX):
                 check(name, value)
             fields[name] = value
         elif required:
