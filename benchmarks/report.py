@@ -146,9 +146,9 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
         f"pulled dense; 2-bit agg: no server optimizer, the round's summed gradient pulled as "
         f"the relayed 2-bit pushes (dense from N = 9 on)."
         + (
-            " bare pyzmq: the same processes moving the dense cell's bytes in the same chunks "
-            "with nothing else (benchmarks/bare_cluster.py), against the dense floor: how close "
-            "this machine gets to the floor at all."
+            " bare pyzmq: processes placed like kvstore's moving the dense cell's bytes in the "
+            "same chunks with nothing else (benchmarks/bare_cluster.py), against the dense "
+            "floor: how close this machine gets to the floor at all."
             if bare
             else ""
         )

@@ -41,8 +41,8 @@ class SendQueue:
     def __init__(self) -> None:
         self.heads: list[_Entry] = []
         """A heap of the entries with no earlier entry of their key: non-empty exactly when the
-        queue is, and ``heads[0].order`` is :meth:`head_order` (read by a sender choosing among
-        queues for every message, without a method call per queue)."""
+        queue is, and ``heads[0].order`` is the next item's sort key (smaller goes first). A
+        sender choosing among queues for every message reads both without a call per queue."""
         self._last: dict[Hashable, _Entry] = {}  # the latest queued entry of each key
         self._seq = itertools.count()
         self._size = 0
@@ -77,10 +77,6 @@ class SendQueue:
     def peek(self) -> Any:
         """The next item, without removing it; raises IndexError when empty."""
         return self.heads[0].item
-
-    def head_order(self) -> tuple[int, int]:
-        """Sort key of the next item (smaller goes first); raises IndexError when empty."""
-        return self.heads[0].order
 
     def pop(self) -> Any:
         """Remove and return the next item; raises IndexError when empty."""
