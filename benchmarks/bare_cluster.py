@@ -74,7 +74,7 @@ def bare_worker(
 
     from kvstore._malloc import tune_malloc
     from kvstore.config import DEFAULT_BIGARRAY_BOUND, DEFAULT_PARTITION_BYTES
-    from kvstore.topology import partition_elems_for, plan_chunks
+    from kvstore.topology import interleaved_order, partition_elems_for, plan_chunks
 
     tune_malloc()
     ctx = zmq.Context()
@@ -95,14 +95,9 @@ def bare_worker(
             bigarray_bound=DEFAULT_BIGARRAY_BOUND,
             partition_elems=partition_elems_for(DEFAULT_PARTITION_BYTES, 4),
         )
-        position: dict[int, int] = {}
-        ordered = []
-        for chunk in chunks:  # interleaved over the servers, as the kvstore client sends them
-            position[chunk.server] = position.get(chunk.server, -1) + 1
-            ordered.append((position[chunk.server], chunk.server, chunk))
-        for _, server, chunk in sorted(ordered, key=lambda item: item[:2]):
+        for chunk in interleaved_order(chunks):  # as the kvstore client sends them
             header = len(landing).to_bytes(4, "little")
-            messages.append((socks[server], header, grad[chunk.start : chunk.stop]))
+            messages.append((socks[chunk.server], header, grad[chunk.start : chunk.stop]))
             landing[header] = outs[key][chunk.start : chunk.stop]
     poller = zmq.Poller()
     for sock in socks:

@@ -36,8 +36,8 @@ fp32 and fp16, bucketed like DDP (25 MB buckets, backward order), with its ring 
 ``2 (N-1)/N x bytes / rate``; and, with ``--baselines zmq`` (not in the presets: one more cell
 per configuration), bare pyzmq moving the dense push+pull's bytes in the same chunks between
 processes placed like kvstore's (:mod:`bare_cluster`), run right after the configuration's
-kvstore cells.
-It has the dense floor; its ratio to it is how close this machine gets to the floor at all.
+kvstore cells. It has the dense floor; its ratio to it is how close this machine gets to the
+floor at all.
 
     python benchmarks/bench_cluster.py --preset smoke
     python benchmarks/bench_cluster.py --preset full --out results/cluster.jsonl
@@ -438,15 +438,59 @@ def _placement(n: int, s: int, placement: str) -> tuple[list[int], list[int]]:
 
 
 def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
-    server_hosts, worker_hosts = _placement(n, s, placement)
     py = sys.executable
-    servers = []
-    for rank, host in enumerate(server_hosts):
-        argv = [py, "-m", "kvstore.server", "--host", cluster.hosts[host].address, "--port", "0",
+    env = {**os.environ, "KVSTORE_LOG_LEVEL": "WARNING"}
+
+    def server(host: int, rank: int) -> list[str]:
+        return [py, "-m", "kvstore.server", "--host", cluster.hosts[host].address, "--port", "0",
                 "--server-rank", str(rank), "--num-servers", str(s), "--num-workers", str(n),
                 "--threads", "2"]  # fmt: skip
-        env = {**os.environ, "KVSTORE_LOG_LEVEL": "WARNING"}
-        servers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, text=True, env=env))
+
+    def worker(rank: int) -> list[str]:
+        return ["--role", "worker", "--rank", str(rank), "--num-workers", str(n),
+                "--codec", codec]  # fmt: skip
+
+    return _run_cell(cluster, args, workload_name, codec, n, s, placement, server, worker,
+                     f"{codec} worker", server_env=env)  # fmt: skip
+
+
+def run_bare(cluster, args, workload_name, n, s, placement) -> dict:
+    """The ``zmq`` baseline of one configuration (:mod:`bare_cluster`), with the dense floor."""
+
+    def server(host: int, rank: int) -> list[str]:
+        return [sys.executable, str(HERE), "--role", "bare-server", "--host",
+                cluster.hosts[host].address, "--num-workers", str(n)]  # fmt: skip
+
+    def worker(rank: int) -> list[str]:
+        return ["--role", "bare-worker"]
+
+    return _run_cell(cluster, args, workload_name, "none", n, s, placement, server, worker,
+                     "bare worker")  # fmt: skip
+
+
+def _run_cell(
+    cluster: Any,
+    args: argparse.Namespace,
+    workload_name: str,
+    codec: str,
+    n: int,
+    s: int,
+    placement: str,
+    server_argv: Callable[[int, int], list[str]],
+    worker_role: Callable[[int], list[str]],
+    what: str,
+    server_env: dict[str, str] | None = None,
+) -> dict:
+    """Start the servers (``server_argv(host, rank)``), then the workers (this script with
+    ``worker_role(rank)`` and the addresses, workload, steps and warm-up), on the hosts of
+    ``placement``; measure them against ``codec``'s floor."""
+    server_hosts, worker_hosts = _placement(n, s, placement)
+    servers = [
+        cluster.popen(
+            host, server_argv(host, rank), stdout=subprocess.PIPE, text=True, env=server_env
+        )
+        for rank, host in enumerate(server_hosts)
+    ]
     addresses = _addresses(servers)
     floor, busiest = floor_seconds(
         workload(workload_name), codec, n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
@@ -454,38 +498,12 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
     warmup = warmup_steps(args.warmup_seconds, floor)
     workers = []
     for rank, host in enumerate(worker_hosts):
-        argv = [py, str(HERE), "--role", "worker", "--addresses", ",".join(addresses),
-                "--rank", str(rank), "--num-workers", str(n), "--workload", workload_name,
-                "--codec", codec, "--steps", str(args.steps),
-                "--warmup-steps", str(warmup)]  # fmt: skip
-        workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True))  # fmt: skip
-    return _measure(cluster, workers, servers + workers, f"{codec} worker", args.timeout,
-                    floor, warmup, busiest_link_bytes=int(busiest))  # fmt: skip
-
-
-def run_bare(cluster, args, workload_name, n, s, placement) -> dict:
-    """The ``zmq`` baseline of one configuration (:mod:`bare_cluster`), with the dense floor."""
-    server_hosts, worker_hosts = _placement(n, s, placement)
-    py = sys.executable
-    servers = []
-    for host in server_hosts:
-        argv = [py, str(HERE), "--role", "bare-server", "--host", cluster.hosts[host].address,
-                "--num-workers", str(n)]  # fmt: skip
-        servers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, text=True))
-    addresses = _addresses(servers)
-    floor, busiest = floor_seconds(
-        workload(workload_name), "none", n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
-    )
-    warmup = warmup_steps(args.warmup_seconds, floor)
-    workers = []
-    for host in worker_hosts:
-        argv = [py, str(HERE), "--role", "bare-worker", "--addresses", ",".join(addresses),
+        argv = [sys.executable, str(HERE), *worker_role(rank), "--addresses", ",".join(addresses),
                 "--workload", workload_name, "--steps", str(args.steps),
                 "--warmup-steps", str(warmup)]  # fmt: skip
         workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True))  # fmt: skip
-    return _measure(cluster, workers, servers + workers, "bare worker", args.timeout,
+    return _measure(cluster, workers, servers + workers, what, args.timeout,
                     floor, warmup, busiest_link_bytes=int(busiest))  # fmt: skip
 
 

@@ -45,6 +45,7 @@ all workers declare the same chunks at init.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 Key = int | str
@@ -287,3 +288,21 @@ def plan_chunks(
             chunks.append(Chunk(len(chunks), server, start, start + size))
             start += size
     return tuple(chunks)
+
+
+def interleaved_order(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
+    """A key's chunks interleaved over its servers: every slice's first chunk, then every
+    slice's second, and so on (the same order on every worker).
+
+    A worker pushes a key's chunks in this order (and the cluster benchmark's bare baseline
+    sends them so). The transport's shared window hands them to the connections in this
+    order, so every worker pushes a given chunk at about the same time; rounds then complete
+    in order, and after the last pushes only the slices' last chunks remain to be returned.
+    The order holds on the wire only up to the window and the kernel's send buffers, within
+    which TCP shares the uplink among the connections as it likes; ``KVSTORE_SEND_QUEUE_MS``
+    narrows both (see the worker's transport).
+    """
+    first_of_server: dict[int, int] = {}
+    for chunk in chunks:
+        first_of_server.setdefault(chunk.server, chunk.index)
+    return tuple(sorted(chunks, key=lambda c: (c.index - first_of_server[c.server], c.server)))

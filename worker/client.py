@@ -45,7 +45,7 @@ from kvstore.errors import (
     ValueMismatchError,
 )
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
-from kvstore.topology import Chunk, Key, partition_elems_for, plan_chunks
+from kvstore.topology import Chunk, Key, interleaved_order, partition_elems_for, plan_chunks
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Op, buffer_nbytes
 from kvstore.worker import values as vals
 from kvstore.worker.transport import Request, Transport, wait_all
@@ -103,7 +103,7 @@ class _KeyState:
     last_push: list[Request | None] = field(default_factory=list)
     pushes_sent: list[int] = field(default_factory=list)  # per chunk; a pull follows them all
     relay_limits: list[int] = field(default_factory=list)  # per chunk; 0: pull dense values
-    send_order: tuple[Chunk, ...] = ()  # the chunks in push order (see _send_order)
+    send_order: tuple[Chunk, ...] = ()  # the chunks in push order (see interleaved_order)
     # Value prefetch (see KVStore.push): whether this key's pushes are followed by a pull, and
     # the requests of the last push that asked for the values (per chunk), not yet pulled.
     pulled_after_push: bool = False
@@ -195,23 +195,6 @@ class _Landing:
         except CodecError as exc:
             raise ProtocolError(f"{where}: {exc}") from exc
         return sum(buffer_nbytes(frame) for frame in frames)
-
-
-def _send_order(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
-    """A key's chunks interleaved over its servers: every slice's first chunk, then every
-    slice's second, and so on (the same order on every worker).
-
-    The transport's shared window hands them to the connections in this order, so every
-    worker pushes a given chunk at about the same time; rounds then complete in order, and
-    after the last pushes only the slices' last chunks remain to be returned. The order
-    holds on the wire only up to the window and the kernel's send buffers, within which TCP
-    shares the uplink among the connections as it likes; ``KVSTORE_SEND_QUEUE_MS`` narrows
-    both (see :mod:`kvstore.worker.transport`).
-    """
-    first_of_server: dict[int, int] = {}
-    for chunk in chunks:
-        first_of_server.setdefault(chunk.server, chunk.index)
-    return tuple(sorted(chunks, key=lambda c: (c.index - first_of_server[c.server], c.server)))
 
 
 def servers_on_this_host(addresses: Sequence[str]) -> bool:
@@ -528,7 +511,7 @@ class KVStore:
                 state.last_push = [None] * len(state.chunks)
                 state.pushes_sent = [0] * len(state.chunks)
                 state.relay_limits = [self._relay_limit(state, chunk) for chunk in state.chunks]
-                state.send_order = _send_order(state.chunks)
+                state.send_order = interleaved_order(state.chunks)
                 self._keys[state.key] = state
 
     def _relay_limit(self, state: _KeyState, chunk: Chunk) -> int:

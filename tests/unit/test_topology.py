@@ -10,6 +10,7 @@ import pytest
 from kvstore.topology import (
     WORD_ELEMS,
     chunk_sizes,
+    interleaved_order,
     min_chunk_elems,
     plan_chunks,
     server_for_key,
@@ -219,3 +220,14 @@ def test_bad_arguments():
         plan_chunks(1, -1, 1, bigarray_bound=MB, partition_elems=16)
     with pytest.raises(ValueError):
         server_for_key(1, 0)
+
+
+def test_interleaved_order_takes_each_slices_next_chunk_in_turn():
+    chunks = plan_chunks("k", 1000, 2, bigarray_bound=1, partition_elems=160)
+    by_server = [[c.index for c in chunks if c.server == s] for s in (0, 1)]
+    order = [c.index for c in interleaved_order(chunks)]
+    assert sorted(order) == [c.index for c in chunks]  # every chunk once
+    # first chunks of both slices, then the second ones, and so on
+    expected = [i for pair in zip(*by_server, strict=False) for i in pair]
+    assert order[: len(expected)] == expected
+    assert len(by_server[0]) > 1 and len(by_server[1]) > 1
