@@ -355,8 +355,9 @@ def _send_with_pyzmq(
     (pyzmq refuses to track one that was not created tracked)."""
     trackers = []
     last = len(frames) - 1
+    flags = int(flags)
     for i, frame in enumerate(frames):
-        frame_flags = flags | zmq.SNDMORE if i < last else flags
+        frame_flags = flags | _SNDMORE if i < last else flags
         tracked = track and not isinstance(frame, zmq.Frame)
         tracker = sock.send(frame, frame_flags, copy=False, track=tracked)
         if tracked:
