@@ -8,6 +8,7 @@ import pytest
 from kvtest import RawClient
 
 import kvstore
+from kvstore.server.server import INLINE_ELEMS
 from kvstore.wire import Op
 
 pytestmark = pytest.mark.integration
@@ -113,32 +114,35 @@ def test_async_push_without_optimizer_fails_cleanly_and_the_server_lives(one_ser
     assert_server_still_serves(one_server)
 
 
-def test_a_second_push_in_a_round_waits_for_the_next_round(servers_factory):
+@pytest.mark.parametrize("n", [4, INLINE_ELEMS + 16], ids=["inline", "thread-pool"])
+def test_a_second_push_in_a_round_waits_for_the_next_round(servers_factory, n):
+    """Short chunks are summed at once on the loop, long ones in tasks on the thread pool; a
+    deferred push joins the next round either way."""
     (address,) = servers_factory(1, 2)
     a, b = RawClient(address), RawClient(address)
     try:
         assert a.hello(rank=0, num_workers=2).op is Op.REPLY
         assert b.hello(rank=1, num_workers=2).op is Op.REPLY
-        init = {**INIT, "n": 4}
-        a.send("INIT", init, [np.zeros(4, np.float32)])
+        init = {**INIT, "n": n, "sh": [n]}
+        a.send("INIT", init, [np.zeros(n, np.float32)])
         b.send("INIT", init)
         assert a.receive().op is Op.REPLY and b.receive().op is Op.REPLY
-        push = {"k": "w", "c": 0, "n": 4}
-        a.send("PUSH", push, [np.full(4, 1, np.float32)])  # round 1
-        a.send("PUSH", push, [np.full(4, 10, np.float32)])  # round 2: deferred
+        push = {"k": "w", "c": 0, "n": n}
+        a.send("PUSH", push, [np.full(n, 1, np.float32)])  # round 1
+        a.send("PUSH", push, [np.full(n, 10, np.float32)])  # round 2: deferred
         pull_rid = a.send("PULL", {"k": "w", "c": 0, "af": 2})  # follows both of a's pushes
-        b.send("PUSH", push, [np.full(4, 100, np.float32)])  # completes round 1
+        b.send("PUSH", push, [np.full(n, 100, np.float32)])  # completes round 1
         assert a.receive().op is Op.REPLY  # round 1 ack
         assert b.receive().op is Op.REPLY
         b_pull = b.request("PULL", {"k": "w", "c": 0, "af": 1})
-        assert np.frombuffer(b_pull.payloads[0], np.float32).tolist() == [101] * 4
-        b.send("PUSH", push, [np.full(4, 1000, np.float32)])  # completes round 2
+        assert np.array_equal(np.frombuffer(b_pull.payloads[0], np.float32), np.full(n, 101))
+        b.send("PUSH", push, [np.full(n, 1000, np.float32)])  # completes round 2
         # a's pull is answered in the round that applied a's second push: that value reply
         # acknowledges the push (it is listed in "ak", no separate ack); b gets its own ack.
         a_pull = a.receive()
         assert a_pull.rid == pull_rid
         assert a_pull["ak"] == [pull_rid - 1]
-        assert np.frombuffer(a_pull.payloads[0], np.float32).tolist() == [1010] * 4
+        assert np.array_equal(np.frombuffer(a_pull.payloads[0], np.float32), np.full(n, 1010))
         assert b.receive().op is Op.REPLY
         assert not a.socket.poll(200)  # nothing else for a
     finally:
