@@ -298,15 +298,22 @@ def _is_uint(value: Any) -> bool:
 _OPS: dict[int, Op] = {int(op): op for op in Op}
 """Ops by wire value: a dict lookup instead of an ``Op(...)`` call for every message."""
 
-_FIELDS: dict[Op, tuple[tuple[str, Any, bool, bool], ...]] = {
+_INT_OK, _KEY_OK = 1, 2
+"""Values of :data:`_FIELDS`' fourth item: a plain int in ``[0, 2**63)`` is valid without its
+validator (UINT and KEY fields); so is a ``str`` of at most :data:`MAX_KEY_LENGTH` characters
+(KEY fields)."""
+
+_FIELDS: dict[Op, tuple[tuple[str, Any, bool, int], ...]] = {
     op: tuple(
-        (name, check, required, check is UINT or check is KEY) for name, check, required in schema
+        (name, check, required, _KEY_OK if check is KEY else _INT_OK if check is UINT else 0)
+        for name, check, required in schema
     )
     for op, schema in SCHEMA.items()
 }
-""":data:`SCHEMA` with a fourth item per field: a plain int in ``[0, 2**63)`` is valid without
-calling the validator (true for UINT and KEY fields, which are most fields of every message).
-Anything else still goes to the validator, so errors and their messages are unchanged."""
+""":data:`SCHEMA` with a fourth item per field, which values of the common kinds are valid
+without calling the validator (most fields of every message are UINT or KEY); the field loops
+below test them inline. Anything else still goes to the validator, so errors and their
+messages are unchanged."""
 
 _KNOWN: dict[Op, frozenset[str]] = {
     op: frozenset(name for name, _, _ in schema) for op, schema in SCHEMA.items()
@@ -349,10 +356,14 @@ def encode(
     if not _KNOWN[op].issuperset(fields):
         unknown = set(fields) - _KNOWN[op]
         raise ProtocolError(f"{op.name}: unknown fields {sorted(unknown)}")
-    for name, check, required, int_ok in _FIELDS[op]:
+    for name, check, required, fast in _FIELDS[op]:
         if name in fields:
             value = fields[name]
-            if not (int_ok and type(value) is int and 0 <= value <= _INT64_MAX):
+            kind = type(value)
+            if not (
+                (fast and kind is int and 0 <= value <= _INT64_MAX)
+                or (fast == _KEY_OK and kind is str and len(value) <= MAX_KEY_LENGTH)
+            ):
                 check(name, value)
             header[name] = value
         elif required:
@@ -412,10 +423,14 @@ def decode(frames: Sequence[Any]) -> Message:
     if allowed_counts is not None and len(payloads) not in allowed_counts:
         raise ProtocolError(f"{op.name} carries {len(payloads)} payload frames")
     fields: dict[str, Any] = {}
-    for name, check, required, int_ok in _FIELDS[op]:
+    for name, check, required, fast in _FIELDS[op]:
         if name in header:
             value = header[name]
-            if not (int_ok and type(value) is int and 0 <= value <= _INT64_MAX):
+            kind = type(value)
+            if not (
+                (fast and kind is int and 0 <= value <= _INT64_MAX)
+                or (fast == _KEY_OK and kind is str and len(value) <= MAX_KEY_LENGTH)
+            ):
                 check(name, value)
             fields[name] = value
         elif required:

@@ -369,14 +369,15 @@ def _large_array(frame: Any) -> np.ndarray | None:
     """``frame`` as a contiguous array to send without a copy, or None to let pyzmq send it
     (small frames are copied, ``zmq.Frame`` objects go by reference, anything else pyzmq
     refuses is refused as before)."""
-    if isinstance(frame, np.ndarray):
+    kind = type(frame)  # exact types first: the common kinds cost no isinstance call
+    if kind is bytes:
+        return np.frombuffer(frame, np.uint8) if len(frame) >= COPY_THRESHOLD else None
+    if kind is np.ndarray or isinstance(frame, np.ndarray):
         if frame.nbytes < COPY_THRESHOLD or not frame.flags.c_contiguous:
             return None
         return frame
-    if isinstance(frame, zmq.Frame) or isinstance(frame, str):
+    if kind is zmq.Frame or isinstance(frame, (zmq.Frame, str)):
         return None
-    if isinstance(frame, bytes):
-        return np.frombuffer(frame, np.uint8) if len(frame) >= COPY_THRESHOLD else None
     try:
         view = memoryview(frame)
     except TypeError:

@@ -150,6 +150,23 @@ def test_malformed_messages_are_rejected(frames, match):
         wire.decode(frames)
 
 
+def test_key_limits_hold_on_both_sides():
+    """Common keys skip their validator (a fast path); the limits are the same either way."""
+    for key in ["x" * wire.MAX_KEY_LENGTH, "", -(2**63), 2**63 - 1, 0]:
+        frames = wire.encode(Op.PULL, 1, {"k": key, "c": 0, "af": 0})
+        assert wire.decode(frames)["k"] == key
+    for key, match in [
+        ("x" * (wire.MAX_KEY_LENGTH + 1), "longer than 1024"),
+        (False, "got bool"),
+        (2**64 - 1, "does not fit in 64 bits"),
+        (b"w", "got bytes"),
+    ]:
+        with pytest.raises(ProtocolError, match=match):
+            wire.encode(Op.PULL, 1, {"k": key, "c": 0, "af": 0})
+        with pytest.raises(ProtocolError, match=match):
+            wire.decode([_header(k=key)])
+
+
 def test_payload_length_must_match_the_header():
     header = msgpack.packb(
         {"v": 3, "op": int(Op.PUSH), "id": 1, "k": 1, "c": 0, "n": 16, "nb": [4]}
