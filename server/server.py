@@ -13,9 +13,9 @@ Request handling (all on the loop thread, never blocking it):
 * decoding, aggregation and optimizer updates of chunks longer than :data:`INLINE_ELEMS`
   elements run on a thread pool (the compiled kernels release the GIL), several at once;
   shorter chunks, which includes every fp32 chunk of the default partition size, run on
-  the loop thread, where that costs less CPU than a thread hand-off, at once as the push is
-  handled (no task). A longer chunk's work is a task, serialized per chunk by an
-  ``asyncio.Lock`` that hands out turns in arrival order; different chunks proceed in parallel.
+  the loop thread, where that costs less CPU than a thread hand-off. Per chunk the work is
+  serialized by an ``asyncio.Lock`` that hands out turns in arrival order; different chunks
+  proceed in parallel.
 
 ``dist_sync`` (and ``local``, which is sync with one worker): a chunk's round collects one push
 from each of the N workers, decoding each into the round's aggregate as it arrives. When the Nth
@@ -293,30 +293,6 @@ class ShardServer:
         else:
             self._send_ack(reply)
 
-    def _start(self, chunk: ChunkState, work: Coroutine[Any, Any, None]) -> None:
-        """Run a push's work on ``chunk``: at once, to its end, for a chunk that is worked on
-        inline (up to :data:`INLINE_ELEMS` elements); as a task on the loop for a longer one.
-
-        Inline work never suspends: :meth:`_run` calls the kernels directly, and the chunk's lock
-        is always free with no one waiting, since only tasks of longer chunks hold a lock across
-        a suspension. Running it now instead of in a task saves, per push, the task, the
-        scheduling of its step and its done callback, and the round's replies leave within the
-        same batch of messages. Like a task's, its failures are logged, not answered: the work
-        answers the pushes it completes itself.
-        """
-        if chunk.spec.numel > INLINE_ELEMS:
-            self._spawn(work)
-            return
-        try:
-            work.send(None)
-        except StopIteration:
-            return
-        except Exception:
-            logger.exception("server work on %s failed", chunk.spec.name)
-            return
-        work.close()  # suspended: a broken invariant, not a client's doing
-        raise RuntimeError(f"inline work on {chunk.spec.name} suspended")
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -555,7 +531,7 @@ class ShardServer:
             )
         reply = PendingReply(identity, msg.rid, rank, msg.op is Op.PUSHPULL, msg.get("rx", 0))
         if job.mode == "dist_async":
-            self._start(chunk, self._push_async(chunk, reply, msg.payloads))
+            self._spawn(self._push_async(chunk, reply, msg.payloads))
         else:
             self._admit(chunk, Deferred(reply, msg.payloads))
 
@@ -567,7 +543,7 @@ class ShardServer:
             return
         chunk.round_ranks.add(rank)
         chunk.round_replies.append(push.reply)
-        self._start(chunk, self._accumulate(chunk, push.payloads))
+        self._spawn(self._accumulate(chunk, push.payloads))
 
     async def _accumulate(self, chunk: ChunkState, payloads: list[Any]) -> None:
         async with chunk.lock:  # turns are granted in arrival order
@@ -580,14 +556,8 @@ class ShardServer:
                 logger.exception("decoding a push of %s failed", chunk.spec.name)
                 chunk.round_error = chunk.round_error or exc
             chunk.accumulated += 1
-            if chunk.accumulated < self.config.num_workers:
-                return
-            await self._complete_round(chunk)
-        # Pushes deferred to the next round, after the lock is released: an inline chunk's
-        # work takes the lock at once, and must find it free.
-        deferred, chunk.deferred = chunk.deferred, type(chunk.deferred)()
-        for push in deferred:
-            self._admit(chunk, push)
+            if chunk.accumulated == self.config.num_workers:
+                await self._complete_round(chunk)
 
     async def _complete_round(self, chunk: ChunkState) -> None:
         replies, error = chunk.round_replies, chunk.round_error
@@ -619,6 +589,9 @@ class ShardServer:
             self._release_pulls(chunk)
         else:
             self._pushes_done(chunk, replies, error)
+        deferred, chunk.deferred = chunk.deferred, type(chunk.deferred)()
+        for push in deferred:
+            self._admit(chunk, push)
 
     async def _push_async(self, chunk: ChunkState, reply: PendingReply, payloads: list) -> None:
         error: BaseException | None = None
