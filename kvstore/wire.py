@@ -290,8 +290,8 @@ def _header_bytes(frame: Any) -> bytes:
 
 
 def _is_uint(value: Any) -> bool:
-    """The common case of :func:`_check_uint`: a plain int in ``[0, 2**63)`` (the field loops
-    below test it inline, to save a call per field)."""
+    """The common case of :func:`_check_uint`: a plain int in ``[0, 2**63)`` (:func:`_copy_fields`
+    tests it inline, to save a call per field)."""
     return type(value) is int and 0 <= value <= _INT64_MAX
 
 
@@ -311,9 +311,9 @@ _FIELDS: dict[Op, tuple[tuple[str, Any, bool, int], ...]] = {
     for op, schema in SCHEMA.items()
 }
 """:data:`SCHEMA` with a fourth item per field, which values of the common kinds are valid
-without calling the validator (most fields of every message are UINT or KEY); the field loops
-below test them inline. Anything else still goes to the validator, so errors and their
-messages are unchanged."""
+without calling the validator (most fields of every message are UINT or KEY);
+:func:`_copy_fields` tests them inline. Anything else still goes to the validator, so errors
+and their messages are unchanged."""
 
 _KNOWN: dict[Op, frozenset[str]] = {
     op: frozenset(name for name, _, _ in schema) for op, schema in SCHEMA.items()
@@ -330,6 +330,26 @@ def _pack(header: dict[str, Any]) -> bytes:
     except AttributeError:
         packer = _packers.packer = msgpack.Packer(use_bin_type=True)
     return packer.pack(header)
+
+
+def _copy_fields(op: Op, source: dict[str, Any], target: dict[str, Any]) -> None:
+    """Validate the fields of ``op`` found in ``source`` and copy them into ``target``.
+
+    Raises:
+        ProtocolError: a required field is missing or a value is invalid.
+    """
+    for name, check, required, fast in _FIELDS[op]:
+        if name in source:
+            value = source[name]
+            kind = type(value)
+            if not (
+                (fast and kind is int and 0 <= value <= _INT64_MAX)
+                or (fast == _KEY_OK and kind is str and len(value) <= MAX_KEY_LENGTH)
+            ):
+                check(name, value)
+            target[name] = value
+        elif required:
+            raise ProtocolError(f"{op.name}: missing field {name!r}")
 
 
 def encode(
@@ -356,18 +376,7 @@ def encode(
     if not _KNOWN[op].issuperset(fields):
         unknown = set(fields) - _KNOWN[op]
         raise ProtocolError(f"{op.name}: unknown fields {sorted(unknown)}")
-    for name, check, required, fast in _FIELDS[op]:
-        if name in fields:
-            value = fields[name]
-            kind = type(value)
-            if not (
-                (fast and kind is int and 0 <= value <= _INT64_MAX)
-                or (fast == _KEY_OK and kind is str and len(value) <= MAX_KEY_LENGTH)
-            ):
-                check(name, value)
-            header[name] = value
-        elif required:
-            raise ProtocolError(f"{op.name}: missing field {name!r}")
+    _copy_fields(op, fields, header)
     header["nb"] = [buffer_nbytes(p) for p in payloads]
     return [_pack(header), *payloads]
 
@@ -423,18 +432,7 @@ def decode(frames: Sequence[Any]) -> Message:
     if allowed_counts is not None and len(payloads) not in allowed_counts:
         raise ProtocolError(f"{op.name} carries {len(payloads)} payload frames")
     fields: dict[str, Any] = {}
-    for name, check, required, fast in _FIELDS[op]:
-        if name in header:
-            value = header[name]
-            kind = type(value)
-            if not (
-                (fast and kind is int and 0 <= value <= _INT64_MAX)
-                or (fast == _KEY_OK and kind is str and len(value) <= MAX_KEY_LENGTH)
-            ):
-                check(name, value)
-            fields[name] = value
-        elif required:
-            raise ProtocolError(f"{op.name}: missing field {name!r}")
+    _copy_fields(op, header, fields)
     # v, op, id and nb are present (checked above), so any other key is one too many.
     if len(header) != 4 + len(fields):
         unknown = set(header) - {"v", "op", "id", "nb"} - set(fields)
