@@ -116,7 +116,7 @@ def test_async_push_without_optimizer_fails_cleanly_and_the_server_lives(one_ser
 
 @pytest.mark.parametrize("n", [4, INLINE_ELEMS + 16], ids=["inline", "thread-pool"])
 def test_a_second_push_in_a_round_waits_for_the_next_round(servers_factory, n):
-    """Short chunks are summed at once on the loop, long ones in tasks on the thread pool; a
+    """Short chunks are summed on the event-loop thread, long ones on the thread pool; a
     deferred push joins the next round either way."""
     (address,) = servers_factory(1, 2)
     a, b = RawClient(address), RawClient(address)
