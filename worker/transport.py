@@ -502,13 +502,11 @@ class Transport:
                 with self._lock:
                     if self._closing:
                         return
-                # A send may have taken a socket's signal: look at its input before sleeping.
+                # A send may have taken a socket's signal: read its input before sleeping, and
+                # flush again at once if replies came (they may let held-back messages go).
                 while sent_on:
-                    sock = sent_on.pop()
-                    if _socket_get(sock, _EVENTS) & _POLLIN:
-                        to_read.add(sock)
-                if to_read:
-                    wait_ms = 0
+                    if self._receive_all(sent_on.pop()):
+                        wait_ms = 0
                 for fd, _ in poller.poll(wait_ms):
                     if fd != self._wake_r:
                         to_read.add(by_fd[fd])
@@ -596,16 +594,19 @@ class Transport:
                         lane.last_answer = now
                     lane.unanswered.append(request)
 
-    def _receive_all(self, sock: zmq.Socket) -> None:
-        """Take every reply waiting on ``sock``.
+    def _receive_all(self, sock: zmq.Socket) -> bool:
+        """Take every reply waiting on ``sock``; returns whether there was any.
 
         Reads while the socket's ZMQ_EVENTS say it has input. Asking for them is cheaper than
         the failed receive that would end the loop otherwise (pyzmq raises ``zmq.Again``, whose
         constructor imports modules), and it processes the socket's pending commands, so its
         ZMQ_FD signals the next input.
         """
+        received = False
         while _socket_get(sock, _EVENTS) & _POLLIN:
             self._on_reply(wire.recv_frames(sock))
+            received = True
+        return received
 
     def _on_reply(self, frames: list[Any]) -> None:
         """Complete the request that the received message ``frames`` answers."""
