@@ -31,6 +31,11 @@ Every host uses the TCP congestion control ``--tcp-cc`` (default ``cubic``, Linu
 ``default`` keeps the machine's own, which on the development machine is ``bbr``: the README
 compares the two).
 
+Hosts send TCP in units of up to ``--gso-kib`` (default 192 KiB where the kernel allows it,
+Linux 6.3 and later; Linux's own default, and every result before ``cluster_v15``, is 64): the
+emulated links and switch then handle a third of the packets, on the cores the job needs (see
+:mod:`netns`). Each record says what the kernel took (``gso_max_bytes``).
+
 Baselines on the same shaped hosts: ``torch.distributed`` gloo allreduce of the same tensors in
 fp32 and fp16, bucketed like DDP (25 MB buckets, backward order), with its ring floor
 ``2 (N-1)/N x bytes / rate``; and, with ``--baselines zmq`` (not in the presets: one more cell
@@ -66,6 +71,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from common import emit, machine  # noqa: E402
+from netns import DEFAULT_GSO_MAX_BYTES  # noqa: E402
 
 REPO = HERE.parent.parent
 RESNET_SHAPES = REPO.parent / "shared" / "data" / "resnet50_param_shapes.json"
@@ -563,6 +569,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         unknown = [b for b in pick["baselines"] if b not in BASELINES]
         if unknown:
             raise ValueError(f"unknown baselines {unknown}; expected {', '.join(BASELINES)}")
+        Cluster(1, gso_max_bytes=args.gso_kib * 1024)  # checks the size; builds nothing yet
     except ValueError as exc:
         raise SystemExit(f"bench_cluster.py: {exc}") from None
     why_not = available()
@@ -575,6 +582,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     rate = args.rate or preset["rate"]
     tcp_cc = None if args.tcp_cc == "default" else args.tcp_cc
     tcp_cc_name = tcp_cc or machine_tcp_cc()  # what the records say the hosts ran
+    links = {"mtu": args.mtu, "gso_max_bytes": args.gso_kib * 1024, "tcp_cc": tcp_cc}
     started = time.time()
     configs = [
         (wl, n, s, placement)
@@ -593,7 +601,8 @@ def orchestrate(args: argparse.Namespace) -> int:
             record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
                       **where}  # fmt: skip
             try:
-                with Cluster(hosts, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
+                with Cluster(hosts, rate, **links) as cluster:
+                    record["gso_max_bytes"] = cluster.gso_max_bytes  # what the kernel took
                     record.update(run_kvstore(cluster, args, wl, codec, n, s, placement))
             except Exception as exc:
                 record["error"] = str(exc)[-500:]
@@ -602,7 +611,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         if BARE in pick["baselines"]:  # right after kvstore's cells: the same machine state
             record = {"bench": "cluster", "system": BARE, "workload": wl, **where}
             try:
-                with Cluster(hosts, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
+                with Cluster(hosts, rate, **links) as cluster:
+                    record["gso_max_bytes"] = cluster.gso_max_bytes  # what the kernel took
                     record.update(run_bare(cluster, args, wl, n, s, placement))
             except Exception as exc:
                 record["error"] = str(exc)[-500:]
@@ -612,7 +622,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n,
                   "rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
         try:
-            with Cluster(n, rate, mtu=args.mtu, tcp_cc=tcp_cc) as cluster:
+            with Cluster(n, rate, **links) as cluster:
+                record["gso_max_bytes"] = cluster.gso_max_bytes
                 record.update(run_baseline(cluster, args, wl, baseline, n))
         except Exception as exc:
             record["error"] = str(exc)[-500:]
@@ -654,6 +665,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rate", type=float, help="link rate in Mbit/s")
     parser.add_argument("--mtu", type=int, default=1500)
+    parser.add_argument(
+        "--gso-kib",
+        type=int,
+        default=DEFAULT_GSO_MAX_BYTES // 1024,
+        help="largest TCP unit a host sends, KiB (default %(default)s; 64 is Linux's default, "
+        "what results before cluster_v15 used)",
+    )
     parser.add_argument(
         "--tcp-cc",
         default="cubic",

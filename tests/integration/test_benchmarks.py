@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -196,8 +198,64 @@ def test_cluster_hosts_use_the_pinned_congestion_control(algorithm):
     assert not any(name in listed for name in namespaces)
 
 
+_BULK_SENDER = """
+import socket, sys
+with socket.create_connection((sys.argv[1], 5555)) as conn:
+    conn.sendall(bytes(32 << 20))
+"""
+_BULK_RECEIVER = """
+import socket
+with socket.create_server(("0.0.0.0", 5555)) as server:
+    conn, _ = server.accept()
+    with conn:
+        while conn.recv(1 << 20):
+            pass
+"""
+
+
+@pytest.mark.parametrize("gso_kib", [64, 192])
+def test_cluster_hosts_send_tcp_in_units_of_the_requested_size(gso_kib):
+    """32 MB from one host to another: the packets the sender's link carried average what the
+    hosts were told to send (BIG TCP above 64 KiB), and no more."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from netns import LINUX_GSO_MAX_BYTES, Cluster, available
+
+    why_not = available()
+    if why_not is not None:
+        pytest.skip(why_not)
+    release = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+    if gso_kib * 1024 > LINUX_GSO_MAX_BYTES and release < (6, 3):
+        pytest.skip(f"Linux {os.uname().release} has no IPv4 units above 64 KiB (6.3 and later)")
+    with Cluster(2, mtu=9000, gso_max_bytes=gso_kib * 1024) as cluster:
+        assert cluster.gso_max_bytes == gso_kib * 1024
+        receiver = cluster.popen(1, [sys.executable, "-c", _BULK_RECEIVER])
+        counters = Path("/sys/class/net") / cluster._veths(0)[1] / "statistics"
+        before = [int((counters / f).read_text()) for f in ("rx_bytes", "rx_packets")]
+        for _attempt in range(50):  # until the receiver listens
+            sender = cluster.popen(
+                0, [sys.executable, "-c", _BULK_SENDER, cluster.hosts[1].address]
+            )
+            if sender.wait(timeout=60) == 0:
+                break
+            time.sleep(0.1)
+        assert receiver.wait(timeout=60) == 0
+        after = [int((counters / f).read_text()) for f in ("rx_bytes", "rx_packets")]
+    sent, packets = after[0] - before[0], after[1] - before[1]
+    assert sent >= 32 << 20
+    average = sent / packets  # data units, plus the handshake's few small packets
+    assert average <= gso_kib * 1024 + 200
+    assert average > (gso_kib * 1024) * 0.6, average
+
+
+def test_cluster_refuses_units_larger_than_its_shapers_bucket():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from netns import Cluster
+
+    with pytest.raises(ValueError, match="gso_max_bytes=262144"):
+        Cluster(2, burst_bytes=256 * 1024, gso_max_bytes=256 * 1024)
+
+
 def test_a_cluster_benchmark_stopped_with_sigterm_tears_its_hosts_down(tmp_path):
-    import time
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from netns import _ALLOWED_CC, available
