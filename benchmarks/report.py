@@ -135,6 +135,7 @@ def markdown(kv: list[dict], baselines: list[dict], meta: dict) -> str:
     lines.append(
         f"Measured on {machine.get('cores', '?')} cores ({machine.get('cpu', '?')}), every link "
         f"shaped to {kv[0]['rate_mbit']:.0f} Mbit/s each way, MTU {kv[0].get('mtu', '?')}, "
+        f"TCP units of up to {kv[0].get('gso_max_bytes', 65536) // 1024} KiB, "
         f"TCP congestion control {kv[0].get('tcp_cc', 'the machine default')}; "
         f"median over steps of the slowest worker. Gloo's floor is its ring's "
         f"2(N-1)/N x bytes / rate. cpu: the benchmark machine's CPU use during the run "
