@@ -43,10 +43,12 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 DEFAULT_TCP_CC = "cubic"
+"""Linux's default congestion control; some machine images pick another (e.g. ``bbr``)."""
+
 LINUX_GSO_MAX_BYTES = 65536
 """Linux's default largest TCP segmentation unit, and the most a kernel before 6.3 allows."""
 DEFAULT_GSO_MAX_BYTES = 192 * 1024
-"""Linux's default congestion control; some machine images pick another (e.g. ``bbr``)."""
+"""The hosts' largest TCP unit here: a third of the packets for the emulated links to handle."""
 
 _ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 _AVAILABLE_CC = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
