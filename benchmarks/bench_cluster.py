@@ -593,6 +593,19 @@ def orchestrate(args: argparse.Namespace) -> int:
     ]
     baselines = [(wl, n, b) for wl in pick["workloads"] for n in pick["workers"] if n > 1
                  for b in pick["baselines"] if b in GLOO_BASELINES]  # fmt: skip
+
+    def cell(record: dict, hosts: int, run: Callable[..., dict], *run_args: Any) -> None:
+        """``run(cluster, *run_args)`` on a fresh cluster of ``hosts``; emit its record (or why
+        it failed)."""
+        try:
+            with Cluster(hosts, rate, **links) as cluster:
+                record["gso_max_bytes"] = cluster.gso_max_bytes  # what the kernel took
+                record.update(run(cluster, *run_args))
+        except Exception as exc:
+            record["error"] = str(exc)[-500:]
+        emit(record)
+        _append(args.out, record)
+
     for wl, n, s, placement in configs:
         hosts = n + s if placement == "separate" else n
         where = {"workers": n, "servers": s, "placement": placement, "rate_mbit": rate,
@@ -600,35 +613,14 @@ def orchestrate(args: argparse.Namespace) -> int:
         for codec in [] if args.baselines_only else pick["codecs"]:
             record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
                       **where}  # fmt: skip
-            try:
-                with Cluster(hosts, rate, **links) as cluster:
-                    record["gso_max_bytes"] = cluster.gso_max_bytes  # what the kernel took
-                    record.update(run_kvstore(cluster, args, wl, codec, n, s, placement))
-            except Exception as exc:
-                record["error"] = str(exc)[-500:]
-            emit(record)
-            _append(args.out, record)
+            cell(record, hosts, run_kvstore, args, wl, codec, n, s, placement)
         if BARE in pick["baselines"]:  # right after kvstore's cells: the same machine state
             record = {"bench": "cluster", "system": BARE, "workload": wl, **where}
-            try:
-                with Cluster(hosts, rate, **links) as cluster:
-                    record["gso_max_bytes"] = cluster.gso_max_bytes  # what the kernel took
-                    record.update(run_bare(cluster, args, wl, n, s, placement))
-            except Exception as exc:
-                record["error"] = str(exc)[-500:]
-            emit(record)
-            _append(args.out, record)
+            cell(record, hosts, run_bare, args, wl, n, s, placement)
     for wl, n, baseline in baselines:
         record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n,
                   "rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
-        try:
-            with Cluster(n, rate, **links) as cluster:
-                record["gso_max_bytes"] = cluster.gso_max_bytes
-                record.update(run_baseline(cluster, args, wl, baseline, n))
-        except Exception as exc:
-            record["error"] = str(exc)[-500:]
-        emit(record)
-        _append(args.out, record)
+        cell(record, n, run_baseline, args, wl, baseline, n)
     summary = {"bench": "cluster", "preset": args.preset, "machine": machine(),
                "wall_seconds": round(time.time() - started, 1)}  # fmt: skip
     emit(summary)

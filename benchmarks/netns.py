@@ -201,8 +201,6 @@ class Cluster:
                 # Set while both ends are here: a link keeps them when it moves namespace.
                 for end in (inner, outer):
                     set_segment_sizes(end, self.requested_gso_max_bytes)
-                took = ipv4_segment_size(outer)
-                self.gso_max_bytes = min(self.requested_gso_max_bytes, took or LINUX_GSO_MAX_BYTES)
                 _run("ip", "link", "set", inner, "netns", host.namespace)
                 _run("ip", "link", "set", outer, "master", self.bridge, "up")
                 ns = ["ip", "-n", host.namespace]
@@ -212,6 +210,8 @@ class Cluster:
                 self._pin_tcp_cc(host.namespace)
                 self._shape(host.namespace, inner)  # the host's uplink
                 self._shape(None, outer)  # the host's downlink
+            took = ipv4_segment_size(self._veths(0)[1]) if self.hosts else None  # all alike
+            self.gso_max_bytes = min(self.requested_gso_max_bytes, took or LINUX_GSO_MAX_BYTES)
             self._up = True
             return self
         except BaseException:
