@@ -169,9 +169,9 @@ DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 """Default ``KVSTORE_PARTITION_BYTES``. Each chunk costs CPU on the worker and the server
 (``benchmarks/bench_chunk_cost.py``), and a step trails its transfer by about one chunk's round,
 so the best size is where the two balance. Measured at commit ``c061cb3``, key10m dense,
-4 workers x 4 separate servers (``bench_cluster.py --mtu 9000 --steps 10``, runs alternating,
-x the floor; the CPU-busiest cell of the cluster grid): 2 MiB 1.386, 1.294; 3 MiB 1.303,
-1.331; 4 MiB 1.195, 1.217, 1.232, 1.249; 8 MiB 1.276, 1.277; 16 MiB 1.657, 1.689."""
+4 workers x 4 separate servers (``bench_cluster.py --preset full --mtu 9000 --steps 10``, runs
+alternating, x the floor; the CPU-busiest cell of the cluster grid): 2 MiB 1.386, 1.294; 3 MiB
+1.303, 1.331; 4 MiB 1.195, 1.217, 1.232, 1.249; 8 MiB 1.276, 1.277; 16 MiB 1.657, 1.689."""
 DEFAULT_CONNECT_TIMEOUT = 60.0
 # IPTOS_LOWDELAY: Linux maps it to TC_PRIO_INTERACTIVE, the first band of pfifo_fast, so a
 # host whose queue honours TOS sends pushes ahead of the bulk server replies sharing its uplink.
@@ -397,13 +397,13 @@ def default_push_lead(num_workers: int) -> int:
     workers it only adds pipeline bubbles (an earlier measurement, loopback, 2 workers x 1
     server: 5-10% slower dense steps), so small jobs run without it.
 
-    Re-measured at commit ``c061cb3`` (``bench_cluster.py --mtu 9000 --steps 10``, 192 KiB TCP
-    units, key10m, ``KVSTORE_PUSH_LEAD`` 3 against 0, runs alternating, x the floor): 8 x 4
-    separate dense 1.159, 1.145 against 1.297, 1.363; 4 x 4 co-located dense 1.079, 1.068
-    against 1.215, 1.20; 4 x 4 separate 2-bit 1.118, 1.12 against 1.15, 1.159. One cell
-    loses a little: 4 x 4 separate dense, where each server's link carries no more than each
-    worker's, 1.241, 1.214, 1.205, 1.191, 1.195 against 1.204, 1.178, 1.17, 1.175, 1.266 (a
-    lead of 4, 5 or 6 was no better there: 1.20-1.204); ResNet-50 4 x 4 separate dense is
+    Re-measured at commit ``c061cb3`` (``bench_cluster.py --preset full --mtu 9000 --steps
+    10``, 192 KiB TCP units, key10m, ``KVSTORE_PUSH_LEAD`` 3 against 0, runs alternating, x the
+    floor): 8 x 4 separate dense 1.159, 1.145 against 1.297, 1.363; 4 x 4 co-located dense
+    1.079, 1.068 against 1.215, 1.20; 4 x 4 separate 2-bit 1.118, 1.12 against 1.15, 1.159. One
+    cell loses a little: 4 x 4 separate dense, where each server's link carries no more than
+    each worker's, 1.241, 1.214, 1.205, 1.191, 1.195 against 1.204, 1.178, 1.17, 1.175, 1.266
+    (a lead of 4, 5 or 6 was no better there: 1.20-1.204); ResNet-50 4 x 4 separate dense is
     even, 1.15, 1.151 against 1.146, 1.163. The limit stays on for every job of 3 or more
     workers.
     """

@@ -152,10 +152,10 @@ LONG_MIN_CHUNK_FRACTION = 8
 
 So a long slice's chunks are all about that long, without :func:`chunk_sizes`' ramps. Ramps
 there were slower, measured at commit ``c061cb3`` (key10m dense, 4 workers x 4 separate
-servers, 10 MB slices, ``bench_cluster.py --mtu 9000 --steps 10``, runs alternating, x the
-floor): 19 chunks of 512 KiB (this rule) 1.192, 1.192; 24 chunks, 492 KiB ones between ramps
-of 64, 128 and 256 KiB, 1.256, 1.237; 14 chunks, 1 MiB ones between ramps of 128, 256 and
-512 KiB, 1.292, 1.275."""
+servers, 10 MB slices, ``bench_cluster.py --preset full --mtu 9000 --steps 10``, runs
+alternating, x the floor): 19 chunks of 512 KiB (this rule) 1.192, 1.192; 24 chunks, 492 KiB
+ones between ramps of 64, 128 and 256 KiB, 1.256, 1.237; 14 chunks, 1 MiB ones between ramps
+of 128, 256 and 512 KiB, 1.292, 1.275."""
 
 
 def min_chunk_elems(partition_elems: int, fraction: int = MIN_CHUNK_FRACTION) -> int:
