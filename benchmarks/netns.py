@@ -50,6 +50,21 @@ LINUX_GSO_MAX_BYTES = 65536
 DEFAULT_GSO_MAX_BYTES = 192 * 1024
 """The hosts' largest TCP unit here: a third of the packets for the emulated links to handle."""
 
+DEFAULT_BURST_BYTES = 256 * 1024
+"""Token bucket depth of the shapers: 2 ms of a 1 Gbit/s link."""
+
+
+def check_gso_max_bytes(gso_max_bytes: int, burst_bytes: int = DEFAULT_BURST_BYTES) -> None:
+    """Raise ``ValueError`` unless TCP units of ``gso_max_bytes`` fit a shaper's bucket of
+    ``burst_bytes`` with room for headers: a larger unit is cut into MTU-sized packets by the
+    shaper (or dropped)."""
+    if not 0 < gso_max_bytes <= burst_bytes - _HEADROOM:
+        raise ValueError(
+            f"gso_max_bytes={gso_max_bytes} must be positive and at most burst_bytes "
+            f"({burst_bytes}) - {_HEADROOM}"
+        )
+
+
 _ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 _AVAILABLE_CC = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 _DEFAULT_CC = Path("/proc/sys/net/ipv4/tcp_congestion_control")
@@ -109,17 +124,12 @@ class Cluster:
         rate_mbit: float = 1000.0,
         *,
         mtu: int = 1500,
-        burst_bytes: int = 256 * 1024,
+        burst_bytes: int = DEFAULT_BURST_BYTES,
         queue_ms: float = 20.0,
         gso_max_bytes: int = DEFAULT_GSO_MAX_BYTES,
         tcp_cc: str | None = DEFAULT_TCP_CC,
     ) -> None:
-        if not 0 < gso_max_bytes <= burst_bytes - _HEADROOM:
-            # A unit larger than the bucket is cut to MTU-sized packets by the shaper (or dropped).
-            raise ValueError(
-                f"gso_max_bytes={gso_max_bytes} must be positive and at most burst_bytes "
-                f"({burst_bytes}) - {_HEADROOM}"
-            )
+        check_gso_max_bytes(gso_max_bytes, burst_bytes)
         self.num_hosts = num_hosts
         self.rate_mbit = rate_mbit
         self.mtu = mtu

@@ -256,7 +256,6 @@ def test_cluster_refuses_units_larger_than_its_shapers_bucket():
 
 
 def test_a_cluster_benchmark_stopped_with_sigterm_tears_its_hosts_down(tmp_path):
-
     sys.path.insert(0, str(REPO / "benchmarks"))
     from netns import _ALLOWED_CC, available
 
