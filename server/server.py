@@ -308,17 +308,22 @@ class ShardServer:
         if not task.cancelled() and task.exception() is not None:
             logger.error("server task failed", exc_info=task.exception())
 
+    @staticmethod
+    def _runs_inline(chunk: ChunkState) -> bool:
+        """Whether the work of ``chunk`` runs on the loop thread (see :data:`INLINE_ELEMS`)."""
+        return chunk.spec.numel <= INLINE_ELEMS
+
     def _start(self, chunk: ChunkState, coro: Coroutine[Any, Any, None]) -> None:
         """Start a chunk's work: batched on the loop thread when it runs inline (see
         :mod:`kvstore.server.inline`), else in a Task that awaits the thread pool."""
-        if chunk.spec.numel <= INLINE_ELEMS:
+        if self._runs_inline(chunk):
             self._inline.submit(coro)
         else:
             self._spawn(coro)
 
     async def _run(self, chunk: ChunkState, fn: Callable[..., Any], *args: Any) -> Any:
         """Run chunk work: inline for small chunks, on the thread pool for big ones."""
-        if chunk.spec.numel <= INLINE_ELEMS:
+        if self._runs_inline(chunk):
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
