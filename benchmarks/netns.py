@@ -151,6 +151,11 @@ class Cluster:
         """The name of host ``host``'s network interface (inside its namespace)."""
         return self._veths(host)[0]
 
+    def bridge_port(self, host: int) -> str:
+        """The name of the bridge's end of host ``host``'s link (in the root namespace): its
+        counters in ``/sys/class/net`` are what the host sent and received."""
+        return self._veths(host)[1]
+
     @property
     def rate_bytes_per_s(self) -> float:
         return self.rate_mbit * 1e6 / 8
@@ -220,7 +225,7 @@ class Cluster:
                 self._pin_tcp_cc(host.namespace)
                 self._shape(host.namespace, inner)  # the host's uplink
                 self._shape(None, outer)  # the host's downlink
-            took = ipv4_segment_size(self._veths(0)[1]) if self.hosts else None  # all alike
+            took = ipv4_segment_size(self.bridge_port(0)) if self.hosts else None  # all alike
             self.gso_max_bytes = min(self.requested_gso_max_bytes, took or LINUX_GSO_MAX_BYTES)
             self._up = True
             return self

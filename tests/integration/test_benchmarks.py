@@ -229,7 +229,7 @@ def test_cluster_hosts_send_tcp_in_units_of_the_requested_size(gso_kib):
     with Cluster(2, mtu=9000, gso_max_bytes=gso_kib * 1024) as cluster:
         assert cluster.gso_max_bytes == gso_kib * 1024
         receiver = cluster.popen(1, [sys.executable, "-c", _BULK_RECEIVER])
-        counters = Path("/sys/class/net") / cluster._veths(0)[1] / "statistics"
+        counters = Path("/sys/class/net") / cluster.bridge_port(0) / "statistics"
         before = [int((counters / f).read_text()) for f in ("rx_bytes", "rx_packets")]
         for _attempt in range(50):  # until the receiver listens
             sender = cluster.popen(
