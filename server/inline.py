@@ -12,6 +12,11 @@ submission order, so a drain's batch of messages is handled before its pushes ar
 the replies go out together) but drives each coroutine itself, from one loop callback per batch.
 A coroutine that does suspend after all is handed to a Task at that point and finishes there,
 so correctness never depends on the work being short.
+
+Measured with ``bench_chunk_cost.run_config(16384, 2, 1_000_000, 200)`` (loopback, 2 workers,
+247 chunks per step), 5 runs each alternating with a Task per push: the server's CPU per step
+53.2-58.4 ms (median 56.6) against 53.2-68.2 ms (median 63.7); the workers' unchanged. On the
+shaped-link cluster, where a server handles far fewer chunks, cells moved within their noise.
 """
 
 from __future__ import annotations
