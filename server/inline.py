@@ -3,15 +3,17 @@
 The server's per-chunk work (sum a push, finish a round, answer) is a coroutine because chunks
 longer than :data:`kvstore.server.server.INLINE_ELEMS` await the thread pool. Shorter chunks,
 every fp32 chunk of the default partition size, never suspend: their work runs inline and
-their chunk's lock is never contended. Wrapping each in a Task still cost the server a fifth
-of its loop thread in a loopback profile with many small chunks (``create_task``, the loop's
-scheduling of the first step, the done callback), once per push.
+their chunk's lock is never contended, since nothing that holds it waits. Wrapping each in a
+Task still cost the server a fifth of its loop thread in a loopback profile with many small
+chunks (``create_task``, the loop's scheduling of the first step, the done callback), once
+per push.
 
 :class:`InlineRunner` keeps the Task's timing (the work runs after the current callback, in
 submission order, so a drain's batch of messages is handled before its pushes are summed and
 the replies go out together) but drives each coroutine itself, from one loop callback per batch.
-A coroutine that does suspend after all is handed to a Task at that point and finishes there,
-so correctness never depends on the work being short.
+A coroutine that suspends (a long chunk's, on the thread pool or on its chunk's lock) is
+handed to a Task at that point and finishes there, so one runner serves every chunk and
+correctness never depends on the work being short.
 
 Measured with ``bench_chunk_cost.run_config(16384, 2, 1_000_000, 200)`` (loopback, 2 workers,
 247 chunks per step), 5 runs each alternating with a Task per push: the server's CPU per step

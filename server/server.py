@@ -13,8 +13,9 @@ Request handling (all on the loop thread, never blocking it):
 * decoding, aggregation and optimizer updates of chunks longer than :data:`INLINE_ELEMS`
   elements run on a thread pool (the compiled kernels release the GIL), several at once;
   shorter chunks, which includes every fp32 chunk of the default partition size, run on
-  the loop thread, where that costs less CPU than a thread hand-off, batched after each drain
-  without a Task per push (:mod:`kvstore.server.inline`). Per chunk the work is serialized by
+  the loop thread, where that costs less CPU than a thread hand-off. A push's work starts
+  after the drain that received it, without a Task of its own unless it has to wait (for the
+  pool or its chunk's turn): :mod:`kvstore.server.inline`. Per chunk the work is serialized by
   an ``asyncio.Lock`` that hands out turns in arrival order; different chunks proceed in
   parallel.
 
@@ -308,22 +309,9 @@ class ShardServer:
         if not task.cancelled() and task.exception() is not None:
             logger.error("server task failed", exc_info=task.exception())
 
-    @staticmethod
-    def _runs_inline(chunk: ChunkState) -> bool:
-        """Whether the work of ``chunk`` runs on the loop thread (see :data:`INLINE_ELEMS`)."""
-        return chunk.spec.numel <= INLINE_ELEMS
-
-    def _start(self, chunk: ChunkState, coro: Coroutine[Any, Any, None]) -> None:
-        """Start a chunk's work: batched on the loop thread when it runs inline (see
-        :mod:`kvstore.server.inline`), else in a Task that awaits the thread pool."""
-        if self._runs_inline(chunk):
-            self._inline.submit(coro)
-        else:
-            self._spawn(coro)
-
     async def _run(self, chunk: ChunkState, fn: Callable[..., Any], *args: Any) -> Any:
         """Run chunk work: inline for small chunks, on the thread pool for big ones."""
-        if self._runs_inline(chunk):
+        if chunk.spec.numel <= INLINE_ELEMS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -549,7 +537,7 @@ class ShardServer:
             )
         reply = PendingReply(identity, msg.rid, rank, msg.op is Op.PUSHPULL, msg.get("rx", 0))
         if job.mode == "dist_async":
-            self._start(chunk, self._push_async(chunk, reply, msg.payloads))
+            self._inline.submit(self._push_async(chunk, reply, msg.payloads))
         else:
             self._admit(chunk, Deferred(reply, msg.payloads))
 
@@ -561,7 +549,7 @@ class ShardServer:
             return
         chunk.round_ranks.add(rank)
         chunk.round_replies.append(push.reply)
-        self._start(chunk, self._accumulate(chunk, push.payloads))
+        self._inline.submit(self._accumulate(chunk, push.payloads))
 
     async def _accumulate(self, chunk: ChunkState, payloads: list[Any]) -> None:
         async with chunk.lock:  # turns are granted in arrival order
