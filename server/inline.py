@@ -83,31 +83,30 @@ class InlineRunner:
             asyncio.get_running_loop().call_soon(self._run)
 
     def _run(self) -> None:
+        # Work submitted while this runs (a round's deferred pushes) joins this batch: the flag
+        # stays set until the queue is empty, so it schedules no second callback.
+        queue = self._queue
         try:
-            self._run_queue()
+            while queue:
+                coro = queue.popleft()
+                try:
+                    awaiting = coro.send(None)
+                except StopIteration:
+                    continue
+                except Exception:  # the same as a failed Task: logged, the loop goes on
+                    logger.error("server work failed", exc_info=True)
+                    continue
+                if awaiting is not None:
+                    # Taken, as a Task takes what its coroutine yields: a future left marked
+                    # "blocking" would fail its next await if the Task never took its first step.
+                    awaiting._asyncio_future_blocking = False
+                task = self._spawn(_finish(coro, awaiting))
+                # A Task cancelled before its first step never runs `_finish`: close the work
+                # then, so its cleanup (``finally``, ``async with``) runs at once (a no-op once
+                # it finished).
+                task.add_done_callback(lambda _, coro=coro: coro.close())
         finally:
             self._scheduled = False
-
-    def _run_queue(self) -> None:
-        # Work submitted while this runs (a round's deferred pushes) joins this batch.
-        queue = self._queue
-        while queue:
-            coro = queue.popleft()
-            try:
-                awaiting = coro.send(None)
-            except StopIteration:
-                continue
-            except Exception:  # the same as a failed Task: logged, the loop goes on
-                logger.error("server work failed", exc_info=True)
-                continue
-            if awaiting is not None:
-                # Taken, as a Task takes what its coroutine yields: a future left marked
-                # "blocking" would fail its next await if the Task never took its first step.
-                awaiting._asyncio_future_blocking = False
-            task = self._spawn(_finish(coro, awaiting))
-            # A Task cancelled before its first step never runs `_finish`: close the work then,
-            # so its cleanup (``finally``, ``async with``) runs at once (a no-op once finished).
-            task.add_done_callback(lambda _, coro=coro: coro.close())
 
     def close(self) -> None:
         """Drop work not started (the server is stopping)."""
