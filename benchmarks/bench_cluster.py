@@ -53,6 +53,7 @@ Needs root for ``ip netns``; without it, prints one "skipped" line and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -71,6 +72,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 from common import emit, machine  # noqa: E402
+from link_trace import LinkTrace, by_role, summarize  # noqa: E402
 from netns import DEFAULT_GSO_MAX_BYTES, check_gso_max_bytes  # noqa: E402
 
 REPO = HERE.parent.parent
@@ -416,6 +418,7 @@ def _measure(
     timeout: float,
     floor: float,
     warmup: int,
+    link_roles: Sequence[str] | None = None,
     **extra: Any,
 ) -> dict:
     """Collect the ``timed`` processes' step times while watching the CPU (the ``job``'s
@@ -423,17 +426,33 @@ def _measure(
 
     Besides the median, the record keeps every step's time (``step_seconds``, and
     ``warmup_step_seconds`` for the untimed ones), so a cell whose steps had not settled
-    shows it.
+    shows it. With ``link_roles`` (each host's role) the links' byte counters are sampled
+    too, and ``links`` says how busy they were over the timed steps
+    (:func:`link_trace.by_role`).
     """
-    with CpuMonitor([p.pid for p in job]) as cpu:
+    ports = [cluster.bridge_port(host) for host in range(len(link_roles or ()))]
+    trace = LinkTrace(ports) if link_roles else contextlib.nullcontext()
+    with trace, CpuMonitor([p.pid for p in job]) as cpu:
         times, warmup_times, window = _collect(timed, what, timeout)
     cluster.stop_processes()
     seconds = statistics.median(times)
-    return {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
-            "over_floor": round(seconds / floor, 3) if floor else None, **extra,
-            **cpu.usage(*window), "warmup_steps": warmup,
-            "step_seconds": [round(t, 4) for t in times],
-            "warmup_step_seconds": [round(t, 4) for t in warmup_times]}  # fmt: skip
+    record = {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
+              "over_floor": round(seconds / floor, 3) if floor else None, **extra,
+              **cpu.usage(*window), "warmup_steps": warmup,
+              "step_seconds": [round(t, 4) for t in times],
+              "warmup_step_seconds": [round(t, 4) for t in warmup_times]}  # fmt: skip
+    if link_roles:
+        summaries = summarize(trace.times, trace.counters, cluster.rate_bytes_per_s, window)
+        record["links"] = by_role(summaries, link_roles) if summaries else None
+    return record
+
+
+def _host_roles(server_hosts: Sequence[int], worker_hosts: Sequence[int]) -> list[str]:
+    """Each host's role for :func:`link_trace.by_role`: ``server``, ``worker`` or
+    ``server+worker`` (a co-located server)."""
+    servers, workers = set(server_hosts), set(worker_hosts)
+    roles = {True: {True: "server+worker", False: "server"}, False: {True: "worker", False: ""}}
+    return [roles[h in servers][h in workers] for h in range(max(servers | workers) + 1)]
 
 
 def _placement(n: int, s: int, placement: str) -> tuple[list[int], list[int]]:
@@ -509,8 +528,9 @@ def _run_cell(
                 "--warmup-steps", str(warmup)]  # fmt: skip
         workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True))  # fmt: skip
+    roles = _host_roles(server_hosts, worker_hosts) if args.link_trace else None
     return _measure(cluster, workers, servers + workers, what, args.timeout,
-                    floor, warmup, busiest_link_bytes=int(busiest))  # fmt: skip
+                    floor, warmup, roles, busiest_link_bytes=int(busiest))  # fmt: skip
 
 
 def _addresses(servers: list[subprocess.Popen]) -> list[str]:
@@ -669,6 +689,12 @@ def main(argv: list[str] | None = None) -> int:
         default="cubic",
         help="TCP congestion control of every host (default cubic, Linux's default); "
         "'default' keeps this machine's",
+    )
+    parser.add_argument(
+        "--link-trace",
+        action="store_true",
+        help="sample every link's byte counters (about every ms, real-time priority) and "
+        "report how busy each role's links were over the timed steps (link_trace.py)",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="per configuration")
     parser.add_argument("--out", help="also append the JSON lines to this file")

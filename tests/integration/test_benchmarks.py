@@ -62,7 +62,7 @@ def test_chunk_cost_benchmark_smoke():
 
 def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
     out = tmp_path / "cluster.jsonl"
-    records = run("bench_cluster.py", "--out", str(out), "--baselines", "zmq")
+    records = run("bench_cluster.py", "--out", str(out), "--baselines", "zmq", "--link-trace")
     if "skipped" in records[0]:  # no root or no iproute2 here: the harness says why
         assert records[0]["skipped"]
         return
@@ -79,6 +79,13 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
         # every step's time is kept; the reported time is their median
         assert len(r["step_seconds"]) == 2 and len(r["warmup_step_seconds"]) == r["warmup_steps"]
         assert abs(r["seconds_per_step"] - statistics.median(r["step_seconds"])) < 1e-3
+        # --link-trace: how busy each role's links were over the timed steps
+        links = r["links"]
+        assert {"server uplink", "server downlink", "worker uplink", "worker downlink"} < set(links)
+        for name in ("worker uplink", "server downlink", "busiest"):
+            shares = links[name]
+            assert 0 < shares["utilization"] <= 1.05, links  # the pushes crossed these links
+            assert abs(shares["full"] + shares["partial"] + shares["idle"] - 1) < 0.01
     report = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "report.py"), str(out)],
         capture_output=True,

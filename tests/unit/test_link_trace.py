@@ -1,0 +1,89 @@
+"""The link tracer of the cluster benchmark: its sampler on a real interface, its summaries."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import numpy as np
+import pytest
+from kvtest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_cluster import _host_roles  # noqa: E402
+from link_trace import LinkTrace, by_role, summarize  # noqa: E402
+
+RATE = 125e6  # bytes/s: 1 Gbit/s
+
+
+def _ramp(times: np.ndarray, rate_of) -> np.ndarray:
+    """Cumulative bytes of a link whose rate at time t is ``rate_of(t)`` (1 ms steps)."""
+    return np.concatenate(([0.0], np.cumsum(rate_of(times[:-1]) * np.diff(times))))
+
+
+def test_summary_sorts_a_links_time_into_full_partial_and_idle_bins():
+    times = np.arange(0, 1.0001, 0.001)
+    busy_then_idle = _ramp(times, lambda t: np.where(t < 0.5, RATE, 0.0))
+    half_rate = _ramp(times, lambda t: np.full_like(t, RATE / 2))
+    counters = np.stack([busy_then_idle, half_rate], axis=1)
+    first, second = summarize(times, counters, RATE, (0.0, 1.0))
+    assert first["utilization"] == pytest.approx(0.5, abs=0.01)
+    assert first["full"] == pytest.approx(0.5, abs=0.01)
+    assert first["idle"] == pytest.approx(0.5, abs=0.01)
+    assert second["utilization"] == pytest.approx(0.5, abs=0.01)
+    assert second["partial"] == pytest.approx(1.0, abs=0.01)
+    assert first["sample_gap_ms"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_summary_counts_only_the_window_and_reports_the_samplers_gaps():
+    times = np.concatenate((np.arange(0, 0.5, 0.001), np.arange(0.52, 1.0001, 0.001)))
+    idle_then_busy = _ramp(times, lambda t: np.where(t >= 0.6, RATE, 0.0))
+    (summary,) = summarize(times, idle_then_busy[:, None], RATE, (0.6, 0.9))
+    assert summary["full"] == pytest.approx(1.0, abs=0.02)
+    assert summary["utilization"] == pytest.approx(1.0, abs=0.02)
+    (whole,) = summarize(times, idle_then_busy[:, None], RATE, (0.0, 1.0))
+    assert whole["sample_gap_ms"] == pytest.approx(21.0, abs=0.5)  # 0.499 to 0.52 s
+    # a window the samples do not cover, or shorter than a bin, has no summary
+    assert summarize(times, idle_then_busy[:, None], RATE, (0.5, 1.5)) is None
+    assert summarize(times, idle_then_busy[:, None], RATE, (0.5, 0.501)) is None
+
+
+def test_links_are_grouped_by_their_hosts_role_and_the_busiest_is_named():
+    def shares(utilization):
+        return {"utilization": utilization, "full": utilization, "partial": 0.0,
+                "idle": 1 - utilization, "sample_gap_ms": 1.5}  # fmt: skip
+
+    # hosts: server 0, server 1, worker 0; per host its uplink then its downlink
+    summaries = [shares(0.8), shares(0.6), shares(0.4), shares(0.9), shares(0.5), shares(0.7)]
+    links = by_role(summaries, ["server", "server", "worker"])
+    assert links["server uplink"]["utilization"] == pytest.approx(0.6)
+    assert links["server downlink"]["utilization"] == pytest.approx(0.75)
+    assert links["worker uplink"]["idle"] == pytest.approx(0.5)
+    assert links["busiest"] == {"link": "server 1 downlink", "utilization": 0.9, "full": 0.9,
+                                "partial": 0.0, "idle": pytest.approx(0.1)}  # fmt: skip
+    assert links["sample_gap_ms"] == 1.5
+
+
+def test_host_roles_follow_the_placement():
+    assert _host_roles([0, 1], [2, 3, 4]) == ["server", "server", "worker", "worker", "worker"]
+    assert _host_roles([0, 1], [0, 1, 2]) == ["server+worker", "server+worker", "worker"]
+
+
+def test_the_sampler_reads_a_real_interfaces_counters():
+    """On loopback (every machine has one): bytes sent through it show in its counters."""
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        with LinkTrace(["lo"]) as trace:
+            for _ in range(200):
+                sender.sendto(b"x" * 1000, receiver.getsockname())
+                receiver.recv(2000)
+    finally:
+        sender.close()
+        receiver.close()
+    assert len(trace.times) >= 2 and np.all(np.diff(trace.times) > 0)
+    assert trace.counters.shape == (len(trace.times), 2)
+    sent, received = trace.counters[-1] - trace.counters[0]
+    assert sent >= 200 * 1000 and received >= 200 * 1000  # loopback: what it sends it receives
