@@ -247,22 +247,26 @@ def timed_steps(
     """Run ``warmup`` untimed steps and ``steps`` timed ones, each after a barrier.
 
     Returns the seconds of each timed step (``times``) and of each warm-up step
-    (``warmup_times``), and the wall-clock window the timed steps span (the orchestrator reads
-    the machine's CPU use over it).
+    (``warmup_times``), the wall-clock time each timed step started (``starts``), and the
+    wall-clock window the timed steps span (the orchestrator reads the machine's CPU use over
+    it).
     """
     times: list[float] = []
     warmup_times: list[float] = []
+    starts: list[float] = []
     window = [0.0, 0.0]
     for index in range(warmup + steps):
         barrier()
         if index == warmup:
             window[0] = time.time()
+        if index >= warmup:
+            starts.append(time.time())
         start = time.perf_counter()
         step()
         (times if index >= warmup else warmup_times).append(time.perf_counter() - start)
     window[1] = time.time()
     barrier()
-    return {"times": times, "warmup_times": warmup_times, "window": window}
+    return {"times": times, "warmup_times": warmup_times, "starts": starts, "window": window}
 
 
 def run_gloo(args: argparse.Namespace) -> None:
@@ -390,11 +394,13 @@ def _slowest_per_step(per_worker: list[list[float]]) -> list[float]:
 
 def _collect(
     processes: list[subprocess.Popen], what: str, timeout: float
-) -> tuple[list[float], list[float], tuple[float, float]]:
+) -> tuple[list[float], list[float], tuple[float, float], list[tuple[float, float]]]:
     """The job's time per timed step and per warm-up step (each step's slowest worker; steps
-    start at a barrier), and the wall-clock window of the timed steps."""
+    start at a barrier), the wall-clock window of the timed steps, and each timed step's
+    wall-clock span (from its first worker's start to its last worker's end)."""
     per_worker: list[list[float]] = []
     warmup_per_worker: list[list[float]] = []
+    spans_per_worker: list[list[tuple[float, float]]] = []
     starts, ends = [], []
     deadline = time.monotonic() + timeout
     for process in processes:
@@ -406,8 +412,15 @@ def _collect(
         warmup_per_worker.append(result["warmup_times"])
         starts.append(result["window"][0])
         ends.append(result["window"][1])
+        spans_per_worker.append(
+            [(t0, t0 + t) for t0, t in zip(result["starts"], result["times"], strict=True)]
+        )
     window = (max(starts), min(ends))
-    return _slowest_per_step(per_worker), _slowest_per_step(warmup_per_worker), window
+    spans = [
+        (min(s[0] for s in step), max(s[1] for s in step))
+        for step in zip(*spans_per_worker, strict=True)
+    ]
+    return _slowest_per_step(per_worker), _slowest_per_step(warmup_per_worker), window, spans
 
 
 def _measure(
@@ -427,13 +440,13 @@ def _measure(
     Besides the median, the record keeps every step's time (``step_seconds``, and
     ``warmup_step_seconds`` for the untimed ones), so a cell whose steps had not settled
     shows it. With ``link_roles`` (each host's role) the links' byte counters are sampled
-    too, and ``links`` says how busy they were over the timed steps
-    (:func:`link_trace.by_role`).
+    too, and ``links`` says how busy they were during the timed steps, the barriers between
+    them left out (:func:`link_trace.by_role`).
     """
     ports = [cluster.bridge_port(host) for host in range(len(link_roles or ()))]
     trace = LinkTrace(ports) if link_roles else contextlib.nullcontext()
     with trace, CpuMonitor([p.pid for p in job]) as cpu:
-        times, warmup_times, window = _collect(timed, what, timeout)
+        times, warmup_times, window, spans = _collect(timed, what, timeout)
     cluster.stop_processes()
     seconds = statistics.median(times)
     record = {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
@@ -442,7 +455,7 @@ def _measure(
               "step_seconds": [round(t, 4) for t in times],
               "warmup_step_seconds": [round(t, 4) for t in warmup_times]}  # fmt: skip
     if link_roles:
-        summaries = summarize(trace.times, trace.counters, cluster.rate_bytes_per_s, window)
+        summaries = summarize(trace.times, trace.counters, cluster.rate_bytes_per_s, spans)
         record["links"] = by_role(summaries, link_roles) if summaries else None
     return record
 

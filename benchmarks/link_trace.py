@@ -2,13 +2,13 @@
 
 A cell above its wire floor lost time on its busiest link in one of two ways, and the median
 step time cannot tell them apart: the link stood idle for part of the step (before the first
-round's replies, while the last replies drained, between steps' pushes), or it carried traffic
-below its rate (flows held back by a send window or lead limit, senders late to refill them).
-The bridge's byte counters can. :class:`LinkTrace` samples them about every millisecond for
-every host's link (a bridge port's ``rx_bytes`` is what the host sent, its uplink; ``tx_bytes``
-what it received, its downlink) and :func:`summarize` sorts each link's time in a window into
-5 ms bins: ``full`` (at least 90% of the link rate), ``idle`` (under 10%) and ``partial`` (the
-rest), next to its ``utilization`` (bytes over rate x time).
+round's replies came, while the last ones drained), or it carried traffic below its rate (flows
+held back by a send window or lead limit, senders late to refill them). The bridge's byte
+counters can. :class:`LinkTrace` samples them about every millisecond for every host's link (a
+bridge port's ``rx_bytes`` is what the host sent, its uplink; ``tx_bytes`` what it received,
+its downlink) and :func:`summarize` sorts each link's time during the timed steps (the barriers
+between them left out) into 5 ms bins: ``full`` (at least 90% of the link rate), ``idle``
+(under 10%) and ``partial`` (the rest), next to its ``utilization`` (bytes over rate x time).
 
 The sampler is a child process that asks for real-time scheduling (``SCHED_FIFO``, where it is
 permitted): the emulated hosts share this machine's cores, and a sampler that waits for a core
@@ -140,37 +140,46 @@ def summarize(
     times: np.ndarray,
     counters: np.ndarray,
     rate_bytes_per_s: float,
-    window: tuple[float, float],
+    spans: Sequence[tuple[float, float]],
     bin_s: float = BIN_S,
 ) -> list[dict[str, float]] | None:
-    """Each counter column's time in ``window`` (wall clock), in ``bin_s`` bins.
+    """Each counter column's time within ``spans`` (wall-clock intervals, e.g. the timed
+    steps), in ``bin_s`` bins laid from each span's start (a span's last partial bin is left
+    out).
 
-    Returns, per column, ``utilization`` (bytes in the window over rate x window), and the
-    shares of bins that were ``full``, ``partial`` and ``idle`` (see the module doc), plus the
-    sampler's longest gap inside the window (``sample_gap_ms``, the same for every column).
-    None when the samples do not cover the window or it is shorter than a bin.
+    Returns, per column, ``utilization`` (bytes within the spans over rate x their length) and
+    the shares of bins that were ``full``, ``partial`` and ``idle`` (see the module doc), plus
+    the sampler's longest gap within a span (``sample_gap_ms``, the same for every column).
+    None when the samples do not cover the spans or no span holds a whole bin.
     """
-    start, end = window
-    bins = int((end - start) / bin_s)
-    if bins < 1 or len(times) < 2 or times[0] > start or times[-1] < end:
+    if len(times) < 2 or not spans:
         return None
-    edges = start + bin_s * np.arange(bins + 1)
-    inside = times[(times >= start) & (times <= end)]
-    around = np.concatenate(([start], inside, [end]))
-    gap_ms = round(float(np.diff(around).max()) * 1000, 1)
+    if times[0] > min(s for s, _ in spans) or times[-1] < max(e for _, e in spans):
+        return None
+    edges = [s + bin_s * np.arange(int((e - s) / bin_s) + 1) for s, e in spans]
+    if not any(len(e) > 1 for e in edges):
+        return None
+    gap = 0.0
+    for start, end in spans:
+        inside = times[(times >= start) & (times <= end)]
+        gap = max(gap, float(np.diff(np.concatenate(([start], inside, [end]))).max()))
+    length = sum(end - start for start, end in spans)
     full_bin = rate_bytes_per_s * bin_s
     summaries = []
     for column in counters.T:
-        moved = np.diff(np.interp(edges, times, column)) / full_bin
-        total = float(np.interp(end, times, column) - np.interp(start, times, column))
+        moved = np.concatenate([np.diff(np.interp(e, times, column)) for e in edges]) / full_bin
+        total = sum(
+            float(np.interp(end, times, column) - np.interp(start, times, column))
+            for start, end in spans
+        )
         full = float(np.mean(moved >= FULL_SHARE))
         idle = float(np.mean(moved < IDLE_SHARE))
         summaries.append({
-            "utilization": round(total / (rate_bytes_per_s * (end - start)), 3),
+            "utilization": round(total / (rate_bytes_per_s * length), 3),
             "full": round(full, 3),
             "partial": round(1 - full - idle, 3),
             "idle": round(idle, 3),
-            "sample_gap_ms": gap_ms,
+            "sample_gap_ms": round(gap * 1000, 1),
         })  # fmt: skip
     return summaries
 

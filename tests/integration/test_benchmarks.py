@@ -108,6 +108,8 @@ def test_cluster_warmup_is_about_the_requested_time_at_the_floors_pace():
     calls = []
     report = timed_steps(3, lambda: calls.append("barrier"), lambda: calls.append("step"), 2)
     assert len(report["times"]) == 3 and calls.count("step") == 5
+    assert len(report["starts"]) == 3 and report["starts"] == sorted(report["starts"])
+    assert report["window"][0] <= report["starts"][0] <= report["window"][1]
     assert len(report["warmup_times"]) == 2
     assert calls.count("barrier") == 6  # one before each step and one at the end
 

@@ -27,7 +27,7 @@ def test_summary_sorts_a_links_time_into_full_partial_and_idle_bins():
     busy_then_idle = _ramp(times, lambda t: np.where(t < 0.5, RATE, 0.0))
     half_rate = _ramp(times, lambda t: np.full_like(t, RATE / 2))
     counters = np.stack([busy_then_idle, half_rate], axis=1)
-    first, second = summarize(times, counters, RATE, (0.0, 1.0))
+    first, second = summarize(times, counters, RATE, [(0.0, 1.0)])
     assert first["utilization"] == pytest.approx(0.5, abs=0.01)
     assert first["full"] == pytest.approx(0.5, abs=0.01)
     assert first["idle"] == pytest.approx(0.5, abs=0.01)
@@ -36,17 +36,29 @@ def test_summary_sorts_a_links_time_into_full_partial_and_idle_bins():
     assert first["sample_gap_ms"] == pytest.approx(1.0, abs=0.01)
 
 
+def test_summary_counts_only_the_steps_not_the_time_between_them():
+    times = np.arange(0, 1.0001, 0.001)
+    # two steps at full rate with an idle barrier between them
+    steps = [(0.1, 0.4), (0.5, 0.8)]
+    rate = lambda t: np.where(((t >= 0.1) & (t < 0.4)) | ((t >= 0.5) & (t < 0.8)), RATE, 0.0)  # noqa: E731
+    (summary,) = summarize(times, _ramp(times, rate)[:, None], RATE, steps)
+    assert summary["full"] == pytest.approx(1.0, abs=0.02)
+    assert summary["utilization"] == pytest.approx(1.0, abs=0.02)
+    (whole,) = summarize(times, _ramp(times, rate)[:, None], RATE, [(0.1, 0.8)])
+    assert whole["idle"] == pytest.approx(1 / 7, abs=0.02)
+
+
 def test_summary_counts_only_the_window_and_reports_the_samplers_gaps():
     times = np.concatenate((np.arange(0, 0.5, 0.001), np.arange(0.52, 1.0001, 0.001)))
     idle_then_busy = _ramp(times, lambda t: np.where(t >= 0.6, RATE, 0.0))
-    (summary,) = summarize(times, idle_then_busy[:, None], RATE, (0.6, 0.9))
+    (summary,) = summarize(times, idle_then_busy[:, None], RATE, [(0.6, 0.9)])
     assert summary["full"] == pytest.approx(1.0, abs=0.02)
     assert summary["utilization"] == pytest.approx(1.0, abs=0.02)
-    (whole,) = summarize(times, idle_then_busy[:, None], RATE, (0.0, 1.0))
+    (whole,) = summarize(times, idle_then_busy[:, None], RATE, [(0.0, 1.0)])
     assert whole["sample_gap_ms"] == pytest.approx(21.0, abs=0.5)  # 0.499 to 0.52 s
     # a window the samples do not cover, or shorter than a bin, has no summary
-    assert summarize(times, idle_then_busy[:, None], RATE, (0.5, 1.5)) is None
-    assert summarize(times, idle_then_busy[:, None], RATE, (0.5, 0.501)) is None
+    assert summarize(times, idle_then_busy[:, None], RATE, [(0.5, 1.5)]) is None
+    assert summarize(times, idle_then_busy[:, None], RATE, [(0.5, 0.501)]) is None
 
 
 def test_links_are_grouped_by_their_hosts_role_and_the_busiest_is_named():
