@@ -147,9 +147,12 @@ def summarize(
     steps), in ``bin_s`` bins laid from each span's start (a span's last partial bin is left
     out).
 
-    Returns, per column, ``utilization`` (bytes within the spans over rate x their length) and
-    the shares of bins that were ``full``, ``partial`` and ``idle`` (see the module doc), plus
-    the sampler's longest gap within a span (``sample_gap_ms``, the same for every column).
+    Returns, per column, ``utilization`` (bytes within the spans over rate x their length),
+    the shares of bins that were ``full``, ``partial`` and ``idle`` (see the module doc), of
+    the idle time the part at a span's start and at its end (``head_ms``, ``tail_ms``: the
+    mean over spans; for a server's uplink, say, the wait for a step's first replies and the
+    time its last pushes took to come back), plus the sampler's longest gap within a span
+    (``sample_gap_ms``, the same for every column).
     None when the samples do not cover the spans or no span holds a whole bin.
     """
     if len(times) < 2 or not spans:
@@ -167,7 +170,9 @@ def summarize(
     full_bin = rate_bytes_per_s * bin_s
     summaries = []
     for column in counters.T:
-        moved = np.concatenate([np.diff(np.interp(e, times, column)) for e in edges]) / full_bin
+        per_span = [np.diff(np.interp(e, times, column)) / full_bin for e in edges if len(e) > 1]
+        heads, tails = zip(*(_idle_ends(m >= IDLE_SHARE) for m in per_span), strict=True)
+        moved = np.concatenate(per_span)
         total = sum(
             float(np.interp(end, times, column) - np.interp(start, times, column))
             for start, end in spans
@@ -179,9 +184,20 @@ def summarize(
             "full": round(full, 3),
             "partial": round(1 - full - idle, 3),
             "idle": round(idle, 3),
+            "head_ms": round(float(np.mean(heads)) * bin_s * 1000, 1),
+            "tail_ms": round(float(np.mean(tails)) * bin_s * 1000, 1),
             "sample_gap_ms": round(gap * 1000, 1),
         })  # fmt: skip
     return summaries
+
+
+def _idle_ends(active: np.ndarray) -> tuple[int, int]:
+    """Idle bins before a span's first active bin and after its last (all of them, twice,
+    when none is active)."""
+    where = np.flatnonzero(active)
+    if not len(where):
+        return len(active), len(active)
+    return int(where[0]), int(len(active) - 1 - where[-1])
 
 
 def by_role(summaries: Sequence[Mapping[str, float]], roles: Sequence[str]) -> dict[str, Any]:
@@ -203,7 +219,7 @@ def by_role(summaries: Sequence[Mapping[str, float]], roles: Sequence[str]) -> d
             groups.setdefault(f"{role} {direction}", []).append(summary)
             if busiest is None or summary["utilization"] > busiest[0]:
                 busiest = (summary["utilization"], f"{role} {index} {direction}", summary)
-    keys = ("utilization", "full", "partial", "idle")
+    keys = ("utilization", "full", "partial", "idle", "head_ms", "tail_ms")
     result: dict[str, Any] = {
         name: {k: round(float(np.mean([s[k] for s in members])), 3) for k in keys}
         for name, members in groups.items()

@@ -34,6 +34,8 @@ def test_summary_sorts_a_links_time_into_full_partial_and_idle_bins():
     assert second["utilization"] == pytest.approx(0.5, abs=0.01)
     assert second["partial"] == pytest.approx(1.0, abs=0.01)
     assert first["sample_gap_ms"] == pytest.approx(1.0, abs=0.01)
+    assert (first["head_ms"], first["tail_ms"]) == (0.0, 500.0)  # idle for its second half
+    assert (second["head_ms"], second["tail_ms"]) == (0.0, 0.0)
 
 
 def test_summary_counts_only_the_steps_not_the_time_between_them():
@@ -46,6 +48,11 @@ def test_summary_counts_only_the_steps_not_the_time_between_them():
     assert summary["utilization"] == pytest.approx(1.0, abs=0.02)
     (whole,) = summarize(times, _ramp(times, rate)[:, None], RATE, [(0.1, 0.8)])
     assert whole["idle"] == pytest.approx(1 / 7, abs=0.02)
+    assert whole["head_ms"] == 0.0 and whole["tail_ms"] == 0.0  # the idle part is inside
+    late = lambda t: np.where((t >= 0.13) & (t < 0.38), RATE, 0.0)  # noqa: E731
+    (summary,) = summarize(times, _ramp(times, late)[:, None], RATE, [(0.1, 0.4)])
+    assert summary["head_ms"] == pytest.approx(30.0, abs=5.0)
+    assert summary["tail_ms"] == pytest.approx(20.0, abs=5.0)
 
 
 def test_summary_counts_only_the_window_and_reports_the_samplers_gaps():
@@ -64,7 +71,8 @@ def test_summary_counts_only_the_window_and_reports_the_samplers_gaps():
 def test_links_are_grouped_by_their_hosts_role_and_the_busiest_is_named():
     def shares(utilization):
         return {"utilization": utilization, "full": utilization, "partial": 0.0,
-                "idle": 1 - utilization, "sample_gap_ms": 1.5}  # fmt: skip
+                "idle": 1 - utilization, "head_ms": 10.0, "tail_ms": 20.0,
+                "sample_gap_ms": 1.5}  # fmt: skip
 
     # hosts: server 0, server 1, worker 0; per host its uplink then its downlink
     summaries = [shares(0.8), shares(0.6), shares(0.4), shares(0.9), shares(0.5), shares(0.7)]
@@ -73,7 +81,9 @@ def test_links_are_grouped_by_their_hosts_role_and_the_busiest_is_named():
     assert links["server downlink"]["utilization"] == pytest.approx(0.75)
     assert links["worker uplink"]["idle"] == pytest.approx(0.5)
     assert links["busiest"] == {"link": "server 1 downlink", "utilization": 0.9, "full": 0.9,
-                                "partial": 0.0, "idle": pytest.approx(0.1)}  # fmt: skip
+                                "partial": 0.0, "idle": pytest.approx(0.1), "head_ms": 10.0,
+                                "tail_ms": 20.0}  # fmt: skip
+    assert links["worker downlink"]["tail_ms"] == 20.0
     assert links["sample_gap_ms"] == 1.5
 
 
