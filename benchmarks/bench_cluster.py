@@ -44,6 +44,9 @@ processes placed like kvstore's (:mod:`bare_cluster`), run right after the confi
 kvstore cells. It has the dense floor; its ratio to it is how close this machine gets to the
 floor at all.
 
+With ``--link-trace`` a record also says how busy each role's links were during the timed
+steps, and how long they stood idle at a step's start and end (:mod:`link_trace`).
+
     python benchmarks/bench_cluster.py --preset smoke
     python benchmarks/bench_cluster.py --preset full --out results/cluster.jsonl
 
