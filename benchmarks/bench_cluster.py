@@ -446,8 +446,11 @@ def _measure(
     too, and ``links`` says how busy they were during the timed steps, the barriers between
     them left out (:func:`link_trace.by_role`).
     """
-    ports = [cluster.bridge_port(host) for host in range(len(link_roles or ()))]
-    trace = LinkTrace(ports) if link_roles else contextlib.nullcontext()
+    trace = (
+        LinkTrace([cluster.bridge_port(host) for host in range(len(link_roles))])
+        if link_roles
+        else contextlib.nullcontext()
+    )
     with trace, CpuMonitor([p.pid for p in job]) as cpu:
         times, warmup_times, window, spans = _collect(timed, what, timeout)
     cluster.stop_processes()
@@ -467,8 +470,13 @@ def _host_roles(server_hosts: Sequence[int], worker_hosts: Sequence[int]) -> lis
     """Each host's role for :func:`link_trace.by_role`: ``server``, ``worker`` or
     ``server+worker`` (a co-located server)."""
     servers, workers = set(server_hosts), set(worker_hosts)
-    roles = {True: {True: "server+worker", False: "server"}, False: {True: "worker", False: ""}}
-    return [roles[h in servers][h in workers] for h in range(max(servers | workers) + 1)]
+
+    def role(host: int) -> str:
+        if host in servers:
+            return "server+worker" if host in workers else "server"
+        return "worker"
+
+    return [role(host) for host in range(max(servers | workers) + 1)]
 
 
 def _placement(n: int, s: int, placement: str) -> tuple[list[int], list[int]]:

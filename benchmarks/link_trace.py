@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -100,9 +101,10 @@ class LinkTrace:
     sample; per port its uplink then its downlink bytes, cumulative) hold the samples.
     """
 
-    def __init__(self, ports: Sequence[str], workdir: str | os.PathLike = "/tmp") -> None:
+    def __init__(self, ports: Sequence[str]) -> None:
         self.ports = list(ports)
-        self._path = Path(workdir) / f"kvstore-link-trace-{os.getpid()}-{id(self)}.bin"
+        name = f"kvstore-link-trace-{os.getpid()}-{id(self)}.bin"
+        self._path = Path(tempfile.gettempdir()) / name
         self._process: subprocess.Popen | None = None
         self.times = np.empty(0)
         self.counters = np.empty((0, 2 * len(self.ports)))
@@ -111,8 +113,9 @@ class LinkTrace:
         argv = [sys.executable, __file__, "--sample", str(self._path), *self.ports]
         self._process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         if self._process.stdout.readline().strip() != "ready":  # counters open, sampling
-            self._process.wait()
-            code = self._process.returncode
+            process, self._process = self._process, None
+            process.stdout.close()
+            code = process.wait()
             raise RuntimeError(f"the link sampler failed to start (exit {code})")
         return self
 

@@ -109,3 +109,9 @@ def test_the_sampler_reads_a_real_interfaces_counters():
     assert trace.counters.shape == (len(trace.times), 2)
     sent, received = trace.counters[-1] - trace.counters[0]
     assert sent >= 200 * 1000 and received >= 200 * 1000  # loopback: what it sends it receives
+
+
+def test_a_sampler_that_cannot_read_its_counters_fails_the_block():
+    with pytest.raises(RuntimeError, match="failed to start"):
+        with LinkTrace(["no-such-interface"]):
+            pass
