@@ -44,6 +44,9 @@ processes placed like kvstore's (:mod:`bare_cluster`), run right after the confi
 kvstore cells. It has the dense floor; its ratio to it is how close this machine gets to the
 floor at all.
 
+With ``--push-borrow`` the kvstore workers push with ``borrow=True`` (their dense gradients
+are sent from their own memory instead of copied first; see ``KVStore.push``).
+
 With ``--link-trace`` a record also says how busy each role's links were during the timed
 steps, and how long they stood idle at a step's start and end (:mod:`link_trace`).
 
@@ -211,7 +214,7 @@ def run_worker(args: argparse.Namespace) -> None:
     backward_names, backward_grads = names[::-1], grads[::-1]
 
     def step() -> None:
-        kv.push(backward_names, backward_grads)
+        kv.push(backward_names, backward_grads, borrow=args.push_borrow)
         kv.pull(names, out=params)
 
     report = timed_steps(args.steps, kv.barrier, step, args.warmup_steps)
@@ -496,8 +499,9 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
                 "--threads", "2"]  # fmt: skip
 
     def worker(rank: int) -> list[str]:
+        borrow = ["--push-borrow"] if args.push_borrow else []
         return ["--role", "worker", "--rank", str(rank), "--num-workers", str(n),
-                "--codec", codec]  # fmt: skip
+                "--codec", codec, *borrow]  # fmt: skip
 
     return _run_cell(cluster, args, workload_name, codec, n, s, placement, server, worker,
                      f"{codec} worker", server_env=env)  # fmt: skip
@@ -656,7 +660,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                  "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
         for codec in [] if args.baselines_only else pick["codecs"]:
             record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
-                      **where}  # fmt: skip
+                      **where, **({"push_borrow": True} if args.push_borrow else {})}  # fmt: skip
             cell(record, hosts, run_kvstore, args, wl, codec, n, s, placement)
         if BARE in pick["baselines"]:  # right after kvstore's cells: the same machine state
             record = {"bench": "cluster", "system": BARE, "workload": wl, **where}
@@ -719,6 +723,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="sample every link's byte counters (about every ms, real-time priority) and "
         "report how busy each role's links were over the timed steps (link_trace.py)",
+    )
+    parser.add_argument(
+        "--push-borrow",
+        action="store_true",
+        help="kvstore workers push with borrow=True (dense gradients sent from their own "
+        "memory, not copied); records say push_borrow",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="per configuration")
     parser.add_argument("--out", help="also append the JSON lines to this file")

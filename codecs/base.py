@@ -96,6 +96,14 @@ class Encoder(ABC):
         frames were sent. When this returns, ``values`` is no longer needed.
         """
 
+    def borrow(self, values: Any) -> list[Any] | None:
+        """The payload frames of ``values`` without encoding them into buffers of the
+        encoder's own: frames that are ``values``' memory, which the caller then keeps
+        unchanged until they were sent. None (the default) where the codec must encode, or
+        where ``values`` is not host memory: the caller then calls :meth:`encode`.
+        """
+        return None
+
 
 class Aggregator(ABC):
     """Server-side accumulator of one key chunk for one round.

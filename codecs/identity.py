@@ -36,6 +36,10 @@ class _HostIdentityEncoder(Encoder):
             values.get(out=self._buffer)
         return [self._buffer]
 
+    def borrow(self, values: Any) -> list[Any] | None:
+        # The payload of a dense push is the values themselves: host memory is sent as it is.
+        return [values] if isinstance(values, np.ndarray) else None
+
 
 class _IdentityAggregator(Aggregator):
     """Sums dense pushes; the first push of a round is held (a view of its frame) and summed

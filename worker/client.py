@@ -574,17 +574,21 @@ class KVStore:
         op: Op,
         priority: int,
         landing: _Landing | None = None,
+        borrow: bool = False,
     ) -> list[Request]:
         """Encode and send every chunk of ``value`` (in the key's send order); returns the
-        requests in chunk order."""
+        requests in chunk order. With ``borrow``, chunks whose codec can send the values as
+        they are (dense host values) are sent from ``value``'s memory, not copied."""
         source = vals.flat_source(value)
         requests: list[Any] = [None] * len(state.chunks)  # every slot filled below
         with vals.device_stream(value):
             for chunk in state.send_order:
                 self._wait_push(state, chunk.index)
-                payloads = self._encoder(state, chunk, source).encode(
-                    source[chunk.start : chunk.stop]
-                )
+                encoder = self._encoder(state, chunk, source)
+                values = source[chunk.start : chunk.stop]
+                payloads = encoder.borrow(values) if borrow else None
+                if payloads is None:
+                    payloads = encoder.encode(values)
                 fields = {"k": state.key, "c": chunk.index, "n": chunk.numel}
                 if op is Op.PUSHPULL:
                     fields.update(state.relay_offer(chunk))
@@ -615,11 +619,19 @@ class KVStore:
                 "kv.set_optimizer(...) on every worker before pushing"
             )
 
-    def push(self, key: KeyArg, value: Any, priority: int = 0) -> None:
+    def push(self, key: KeyArg, value: Any, priority: int = 0, *, borrow: bool = False) -> None:
         """Push gradients: the servers sum them over workers (not the mean).
 
         Returns once the values are encoded (their memory is free to reuse), without waiting
         for the network. Lists of keys are encoded and sent one after another and overlap.
+
+        ``borrow=True`` skips the copy of uncompressed host values (numpy arrays, CPU
+        tensors): their memory is sent as it is, so it must stay unchanged until a pull of
+        the key returns (after a call that raised, pushes of it may still be queued: until
+        :meth:`close`). The usual loop (backward, push, pull, the next backward writes the
+        gradients again) keeps that by itself, and each step then saves a copy of every
+        gradient, made just when the servers need the cores for the round's first chunks
+        (the README measures it). GPU values and compressed pushes are encoded as usual.
 
         In ``dist_sync``, once a key's push was followed by a pull, its later pushes also ask
         the servers for the round's value (a pushpull whose reply the client keeps until the
@@ -635,6 +647,7 @@ class KVStore:
             value: an array/tensor per key, of the key's shape and dtype; GPU values are
                 encoded on the GPU.
             priority: higher-priority messages are sent first.
+            borrow: send dense host values from their own memory (see above).
         """
         self._check_open()
         self._require_optimizer_for_async()
@@ -644,9 +657,9 @@ class KVStore:
             self._check_value(state, v, "value")
         for state, v in work:
             if self._prefetch_values(state):
-                state.prefetched = self._send_pushes(state, v, Op.PUSHPULL, priority)
+                state.prefetched = self._send_pushes(state, v, Op.PUSHPULL, priority, borrow=borrow)
             else:
-                self._send_pushes(state, v, Op.PUSH, priority)
+                self._send_pushes(state, v, Op.PUSH, priority, borrow=borrow)
             state.pushed_since_pull = True
 
     def _prefetch_values(self, state: _KeyState) -> bool:
@@ -716,8 +729,14 @@ class KVStore:
             pending.append((landing, self._pull_requests(state, landing, priority)))
         self._receive_values(pending)
 
-    def pushpull(self, key: KeyArg, value: Any, out: Any = None, priority: int = 0) -> None:
-        """Push then pull in one round trip per chunk; ``out`` defaults to ``value``."""
+    def pushpull(
+        self, key: KeyArg, value: Any, out: Any = None, priority: int = 0, *, borrow: bool = False
+    ) -> None:
+        """Push then pull in one round trip per chunk; ``out`` defaults to ``value``.
+
+        ``borrow=True`` sends dense host values from their own memory, as :meth:`push` does;
+        the call returns after every push was answered, so only a call that raised leaves
+        ``value`` in use (until :meth:`close`)."""
         self._check_open()
         self._require_optimizer_for_async()
         pairs = _pairs(key, value, "value")
@@ -731,7 +750,8 @@ class KVStore:
             self._forget_unpulled_values(state)  # a pushpull is a push, and its own pull
             state.pushed_since_pull = False
             landing = _Landing(state, o, self._stats)
-            pending.append((landing, self._send_pushes(state, v, Op.PUSHPULL, priority, landing)))
+            requests = self._send_pushes(state, v, Op.PUSHPULL, priority, landing, borrow)
+            pending.append((landing, requests))
         self._receive_values(pending)
 
     def _receive_values(self, pending: Iterable[tuple[_Landing, list[Request]]]) -> None:

@@ -81,6 +81,13 @@ def test_identity_rounds_of_any_size_sum_exactly_and_reuse_the_accumulator(pushe
         assert aggregator.result.tobytes() == expected.tobytes()
 
 
+def test_only_the_dense_codec_lends_the_values_themselves():
+    values = np.arange(40, dtype=np.float32)
+    (frame,) = get_codec("none").make_encoder(40, "float32").borrow(values)
+    assert frame is values  # sent from the caller's memory: no copy
+    assert get_codec("2bit").make_encoder(40, "float32").borrow(values) is None  # must encode
+
+
 def test_payload_sizes_are_validated():
     codec = get_codec("2bit")
     codec.validate_payloads([b"\0" * 8], 17, "float32")
