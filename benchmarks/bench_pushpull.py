@@ -17,10 +17,12 @@ values; each step every worker pushes the key and pulls it back (``dist_sync``, 
   traffic of a job with an optimizer on the server.
 * ``kvstore none pushpull``: ``kv.pushpull`` uncompressed, one round trip per chunk instead of
   a push and a pull request.
+* ``kvstore none borrow``: ``kv.push(..., borrow=True)`` + ``kv.pull`` uncompressed: the
+  gradient is sent from its own memory instead of copied first.
 
 Configurations run in alternation for ``--rounds`` rounds (so machine noise hits all of them
 alike); each reports the median seconds per step over all rounds' steps. Ratios: kvstore dense
-over bare pyzmq, each 2-bit configuration over dense, and pushpull over push + pull. One JSON
+over bare pyzmq, each 2-bit configuration over dense, pushpull and borrow over push + pull. One JSON
 line per configuration, then a summary line.
 
     python benchmarks/bench_pushpull.py --preset smoke
@@ -121,12 +123,14 @@ def bare_worker(address: str, elements: int, steps: int, pipelined: bool) -> Non
 
 
 KV_CONFIGS = {
-    "kvstore none": ("none", True, False),
-    "kvstore 2bit": ("2bit", True, False),
-    "kvstore 2bit dense pull": ("2bit", False, False),
-    "kvstore none pushpull": ("none", True, True),
+    "kvstore none": ("none", True, False, False),
+    "kvstore 2bit": ("2bit", True, False, False),
+    "kvstore 2bit dense pull": ("2bit", False, False, False),
+    "kvstore none pushpull": ("none", True, True, False),
+    "kvstore none borrow": ("none", True, False, True),
 }
-"""Configuration name -> (codec, pull_relay, ``kv.pushpull`` instead of push + pull per step)."""
+"""Configuration name -> (codec, pull_relay, ``kv.pushpull`` instead of push + pull per step,
+``borrow=True`` pushes)."""
 
 
 def kv_worker(
@@ -138,6 +142,7 @@ def kv_worker(
     codec: str,
     relay: bool,
     pushpull: bool = False,
+    borrow: bool = False,
 ) -> None:
     import numpy as np
 
@@ -157,7 +162,7 @@ def kv_worker(
         if pushpull:
             kv.pushpull("w", grad, out=out)
         else:
-            kv.push("w", grad)
+            kv.push("w", grad, borrow=borrow)
             kv.pull("w", out=out)
         if step:
             times.append(time.perf_counter() - start)
@@ -189,10 +194,11 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
                 command += ["--role", "bare-worker"]
                 command += ["--pipelined"] if name.endswith("pipelined") else []
             else:
-                codec, relay, pushpull = KV_CONFIGS[name]
+                codec, relay, pushpull, borrow = KV_CONFIGS[name]
                 command += ["--role", "kv-worker", "--codec", codec]
                 command += [] if relay else ["--no-relay"]
                 command += ["--pushpull"] if pushpull else []
+                command += ["--borrow"] if borrow else []
             children.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
         times: list[float] = []
         for child in children:
@@ -222,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-relay", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pushpull", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--borrow", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     elements = args.elements or preset["elements"]
@@ -243,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             args.codec,
             not args.no_relay,
             args.pushpull,
+            args.borrow,
         )
         return 0
 
@@ -255,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     bare_best = min(medians["bare pyzmq"], medians["bare pyzmq pipelined"])
     nbytes = 4 * elements
     for config in configs:
-        codec, relay, _ = KV_CONFIGS.get(config, ("none", False, False))
+        codec, relay, *_ = KV_CONFIGS.get(config, ("none", False))
         push_bytes = nbytes // 16 if codec == "2bit" else nbytes
         pull_bytes = workers * nbytes // 16 if codec == "2bit" and relay else nbytes
         emit(
@@ -281,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "pushpull_over_push_and_pull": round(
                 medians["kvstore none pushpull"] / medians["kvstore none"], 3
+            ),
+            "borrow_over_push_and_pull": round(
+                medians["kvstore none borrow"] / medians["kvstore none"], 3
             ),
             "machine": machine(),
         }

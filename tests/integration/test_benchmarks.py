@@ -43,11 +43,12 @@ def test_pushpull_benchmark_smoke():
     records = run("bench_pushpull.py")
     configs = {r.get("config") for r in records}
     assert {"bare pyzmq", "bare pyzmq pipelined", "kvstore none", "kvstore 2bit"} <= configs
-    assert "kvstore none pushpull" in configs
+    assert {"kvstore none pushpull", "kvstore none borrow"} <= configs
     summary = records[-1]
     assert summary["dense_over_bare_pyzmq"] > 0 and summary["twobit_over_dense"] > 0
     assert summary["twobit_dense_pull_over_dense"] > 0
     assert summary["pushpull_over_push_and_pull"] > 0
+    assert summary["borrow_over_push_and_pull"] > 0
 
 
 def test_chunk_cost_benchmark_smoke():
