@@ -22,8 +22,8 @@ values; each step every worker pushes the key and pulls it back (``dist_sync``, 
 
 Configurations run in alternation for ``--rounds`` rounds (so machine noise hits all of them
 alike); each reports the median seconds per step over all rounds' steps. Ratios: kvstore dense
-over bare pyzmq, each 2-bit configuration over dense, pushpull and borrow over push + pull. One JSON
-line per configuration, then a summary line.
+over bare pyzmq, each 2-bit configuration over dense, pushpull and borrowed pushes over push +
+pull. One JSON line per configuration, then a summary line.
 
     python benchmarks/bench_pushpull.py --preset smoke
     python benchmarks/bench_pushpull.py --preset full
@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -122,15 +122,23 @@ def bare_worker(address: str, elements: int, steps: int, pipelined: bool) -> Non
     ctx.term()
 
 
+class KvConfig(NamedTuple):
+    """How a kvstore configuration's workers run their steps."""
+
+    codec: str
+    relay: bool = True  # pull_relay
+    pushpull: bool = False  # kv.pushpull instead of push + pull
+    borrow: bool = False  # push(..., borrow=True)
+
+
 KV_CONFIGS = {
-    "kvstore none": ("none", True, False, False),
-    "kvstore 2bit": ("2bit", True, False, False),
-    "kvstore 2bit dense pull": ("2bit", False, False, False),
-    "kvstore none pushpull": ("none", True, True, False),
-    "kvstore none borrow": ("none", True, False, True),
+    "kvstore none": KvConfig("none"),
+    "kvstore 2bit": KvConfig("2bit"),
+    "kvstore 2bit dense pull": KvConfig("2bit", relay=False),
+    "kvstore none pushpull": KvConfig("none", pushpull=True),
+    "kvstore none borrow": KvConfig("none", borrow=True),
 }
-"""Configuration name -> (codec, pull_relay, ``kv.pushpull`` instead of push + pull per step,
-``borrow=True`` pushes)."""
+"""Configuration name -> how its workers run."""
 
 
 def kv_worker(
@@ -194,11 +202,11 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
                 command += ["--role", "bare-worker"]
                 command += ["--pipelined"] if name.endswith("pipelined") else []
             else:
-                codec, relay, pushpull, borrow = KV_CONFIGS[name]
-                command += ["--role", "kv-worker", "--codec", codec]
-                command += [] if relay else ["--no-relay"]
-                command += ["--pushpull"] if pushpull else []
-                command += ["--borrow"] if borrow else []
+                config = KV_CONFIGS[name]
+                command += ["--role", "kv-worker", "--codec", config.codec]
+                command += [] if config.relay else ["--no-relay"]
+                command += ["--pushpull"] if config.pushpull else []
+                command += ["--borrow"] if config.borrow else []
             children.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
         times: list[float] = []
         for child in children:
@@ -263,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     bare_best = min(medians["bare pyzmq"], medians["bare pyzmq pipelined"])
     nbytes = 4 * elements
     for config in configs:
-        codec, relay, *_ = KV_CONFIGS.get(config, ("none", False))
+        codec, relay, *_ = KV_CONFIGS.get(config, KvConfig("none", relay=False))
         push_bytes = nbytes // 16 if codec == "2bit" else nbytes
         pull_bytes = workers * nbytes // 16 if codec == "2bit" and relay else nbytes
         emit(

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: the install guard, a slow 2-bit oracle, and server processes.
+"""Helpers shared by the tests: the install guard, a slow 2-bit oracle, server processes, and a
+worker's store connected to them.
 
 Imports nothing from kvstore at module level, so :func:`require_installed` can report a missing
 install itself.
@@ -231,3 +232,18 @@ class RawClient:
     def close(self) -> None:
         self.socket.close(0)
         self.context.term()
+
+
+def connect(
+    addresses: Sequence[str],
+    rank: int = 0,
+    num_workers: int = 1,
+    mode: str = "dist_sync",
+    **kwargs: Any,
+) -> Any:
+    """A store of ``mode`` connected to the servers at ``addresses`` (blocking calls time out
+    after 30 s unless ``timeout`` says otherwise)."""
+    import kvstore  # noqa: PLC0415  (this module imports nothing from kvstore at load)
+
+    kwargs.setdefault("timeout", 30)
+    return kvstore.create(mode, servers=addresses, rank=rank, num_workers=num_workers, **kwargs)

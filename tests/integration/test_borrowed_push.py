@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvtest import run_ranks
-
-import kvstore
+from kvtest import connect, run_ranks
 
 pytestmark = pytest.mark.integration
-
-
-def connect(addresses, rank=0, num_workers=1, **kwargs):
-    kwargs.setdefault("timeout", 30)
-    return kvstore.create(
-        "dist_sync", servers=addresses, rank=rank, num_workers=num_workers, **kwargs
-    )
 
 
 def _poison_encoders(kv, key):

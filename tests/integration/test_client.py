@@ -8,7 +8,7 @@ import time
 import kvtest
 import numpy as np
 import pytest
-from kvtest import run_ranks
+from kvtest import connect, run_ranks
 
 import kvstore
 from kvstore.config import DEFAULT_BIGARRAY_BOUND
@@ -18,11 +18,6 @@ from kvstore.wire import Op
 from kvstore.worker.client import servers_on_this_host
 
 pytestmark = pytest.mark.integration
-
-
-def connect(addresses, rank=0, num_workers=1, mode="dist_sync", **kwargs):
-    kwargs.setdefault("timeout", 30)
-    return kvstore.create(mode, servers=addresses, rank=rank, num_workers=num_workers, **kwargs)
 
 
 def test_single_worker_int_and_str_keys_lists_and_pushpull(one_server):

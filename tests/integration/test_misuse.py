@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import kvtest
 import numpy as np
 import pytest
 from kvtest import run_ranks, run_ranks_outcomes
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 def connect(addresses, rank=0, num_workers=1, mode="dist_sync", **kwargs):
     kwargs.setdefault("timeout", 20)
-    return kvstore.create(mode, servers=addresses, rank=rank, num_workers=num_workers, **kwargs)
+    return kvtest.connect(addresses, rank, num_workers, mode, **kwargs)
 
 
 @pytest.fixture

@@ -42,7 +42,10 @@ def test_summary_counts_only_the_steps_not_the_time_between_them():
     times = np.arange(0, 1.0001, 0.001)
     # two steps at full rate with an idle barrier between them
     steps = [(0.1, 0.4), (0.5, 0.8)]
-    rate = lambda t: np.where(((t >= 0.1) & (t < 0.4)) | ((t >= 0.5) & (t < 0.8)), RATE, 0.0)  # noqa: E731
+
+    def rate(t):
+        return np.where(((t >= 0.1) & (t < 0.4)) | ((t >= 0.5) & (t < 0.8)), RATE, 0.0)
+
     (summary,) = summarize(times, _ramp(times, rate)[:, None], RATE, steps)
     assert summary["full"] == pytest.approx(1.0, abs=0.02)
     assert summary["utilization"] == pytest.approx(1.0, abs=0.02)
