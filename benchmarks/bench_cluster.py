@@ -505,9 +505,11 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
 
     def server(host: int, rank: int) -> list[str]:
         # With --round-trace each server runs under round_trace.py, which records its rounds.
-        launch = ["-m", "kvstore.server"]
-        if trace_dir is not None:
-            launch = [str(HERE.parent / "round_trace.py"), str(trace_dir / f"{rank}.json"), "--"]
+        launch = (
+            [str(HERE.parent / "round_trace.py"), str(trace_dir / f"{rank}.json"), "--"]
+            if trace_dir is not None
+            else ["-m", "kvstore.server"]
+        )
         return [py, *launch, "--host", cluster.hosts[host].address, "--port", "0",
                 "--server-rank", str(rank), "--num-servers", str(s), "--num-workers", str(n),
                 "--threads", "2"]  # fmt: skip
