@@ -114,9 +114,12 @@ def main() -> None:
             loss = loss_fn(model(train_x[batch]), train_y[batch])
             loss.backward()
             total_loss += loss.item()
-            # Backward order, last layer first: the servers can start on it earliest.
+            # Backward order, last layer first: the servers can start on it earliest. Nothing
+            # writes the gradients before the pull below returns, so uncompressed pushes may
+            # send them from their own memory (borrow) instead of copying them; 2-bit pushes
+            # are encoded either way.
             grads = [p.grad for p in params]
-            kv.push(names[::-1], grads[::-1])
+            kv.push(names[::-1], grads[::-1], borrow=True)
             kv.pull(names, out=params)
         stats = kv.stats()
         pushed = stats.pushed_bytes - before.pushed_bytes
