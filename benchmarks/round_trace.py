@@ -19,6 +19,7 @@ when the server stops; :func:`summarize` then reads them against the timed steps
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import sys
@@ -74,7 +75,8 @@ def summarize(
     spans: Sequence[tuple[float, float]],
     num_workers: int,
 ) -> dict[str, float] | None:
-    """Medians over the timed steps' (``spans``) server-steps, in ms from the step's start.
+    """Medians over the timed steps' (``spans``, which do not overlap) server-steps, in ms from
+    the step's start.
 
     Per server and step: ``first_push_ms`` (its first push taken up), ``first_round_ms`` (its
     first complete round: every worker's push of a chunk in), ``last_push_ms``,
@@ -85,27 +87,31 @@ def summarize(
     per_step: dict[str, list[float]] = defaultdict(list)
     spreads: list[float] = []
     lags: list[float] = []
+    spans = sorted(spans)
+    starts = [start for start, _ in spans]
     for events in events_per_server:
-        for start, end in spans:
-            pushes: dict[tuple[Any, int], list[float]] = defaultdict(list)
-            replies: dict[tuple[Any, int], list[float]] = defaultdict(list)
-            for kind, t, _rank, key, chunk in events:
-                if start <= t <= end:
-                    (pushes if kind == "push" else replies)[(str(key), chunk)].append(t)
-            rounds = {k: sorted(v) for k, v in pushes.items() if len(v) == num_workers}
+        # One pass over the server's events: each goes to the span it falls in, if any.
+        pushes: list[dict[tuple[str, int], list[float]]] = [defaultdict(list) for _ in spans]
+        replies: list[dict[tuple[str, int], list[float]]] = [defaultdict(list) for _ in spans]
+        for kind, t, _rank, key, chunk in events:
+            i = bisect.bisect_right(starts, t) - 1
+            if i >= 0 and t <= spans[i][1]:
+                (pushes if kind == "push" else replies)[i][(str(key), chunk)].append(t)
+        for (start, end), step_pushes, step_replies in zip(spans, pushes, replies, strict=True):
+            rounds = {k: sorted(v) for k, v in step_pushes.items() if len(v) == num_workers}
             if not rounds:
                 continue
             completed = [v[-1] for v in rounds.values()]
-            per_step["first_push_ms"].append(min(min(v) for v in pushes.values()) - start)
+            per_step["first_push_ms"].append(min(min(v) for v in step_pushes.values()) - start)
             per_step["first_round_ms"].append(min(completed) - start)
-            per_step["last_push_ms"].append(max(max(v) for v in pushes.values()) - start)
-            all_replies = [t for v in replies.values() for t in v]
+            per_step["last_push_ms"].append(max(max(v) for v in step_pushes.values()) - start)
+            all_replies = [t for v in step_replies.values() for t in v]
             if all_replies:
                 per_step["last_reply_ms"].append(max(all_replies) - start)
             per_step["step_ms"].append(end - start)
             for key, times in rounds.items():
                 spreads.append(times[-1] - times[0])
-                answered = [t for t in replies.get(key, ()) if t >= times[-1]]
+                answered = [t for t in step_replies.get(key, ()) if t >= times[-1]]
                 if answered:
                     lags.append(min(answered) - times[-1])
     if not spreads:
