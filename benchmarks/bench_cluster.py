@@ -657,7 +657,13 @@ def orchestrate(args: argparse.Namespace) -> int:
     rate = args.rate or preset["rate"]
     tcp_cc = None if args.tcp_cc == "default" else args.tcp_cc
     tcp_cc_name = tcp_cc or machine_tcp_cc()  # what the records say the hosts ran
-    links = {"mtu": args.mtu, "gso_max_bytes": args.gso_kib * 1024, "tcp_cc": tcp_cc}
+    pinned = args.pin_hosts == "on"
+    links = {
+        "mtu": args.mtu,
+        "gso_max_bytes": args.gso_kib * 1024,
+        "tcp_cc": tcp_cc,
+        "pin_cpus": pinned,
+    }
     started = time.time()
     configs = [
         (wl, n, s, placement)
@@ -684,7 +690,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     for wl, n, s, placement in configs:
         hosts = n + s if placement == "separate" else n
         where = {"workers": n, "servers": s, "placement": placement, "rate_mbit": rate,
-                 "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
+                 "mtu": args.mtu, "tcp_cc": tcp_cc_name, "pinned": pinned}  # fmt: skip
         for codec in [] if args.baselines_only else pick["codecs"]:
             record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
                       **where, **({"push_borrow": True} if args.push_borrow else {})}  # fmt: skip
@@ -694,7 +700,8 @@ def orchestrate(args: argparse.Namespace) -> int:
             cell(record, hosts, run_bare, args, wl, n, s, placement)
     for wl, n, baseline in baselines:
         record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n,
-                  "rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name}  # fmt: skip
+                  "rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name,
+                  "pinned": pinned}  # fmt: skip
         cell(record, n, run_baseline, args, wl, baseline, n)
     summary = {"bench": "cluster", "preset": args.preset, "machine": machine(),
                "wall_seconds": round(time.time() - started, 1)}  # fmt: skip
@@ -744,6 +751,14 @@ def main(argv: list[str] | None = None) -> int:
         default="cubic",
         help="TCP congestion control of every host (default cubic, Linux's default); "
         "'default' keeps this machine's",
+    )
+    parser.add_argument(
+        "--pin-hosts",
+        choices=["on", "off"],
+        default="off",
+        help="run each host's processes on its own share of this machine's cores (one core "
+        "per host, hosts taking turns, where there are fewer cores than hosts); default "
+        "%(default)s",
     )
     parser.add_argument(
         "--link-trace",

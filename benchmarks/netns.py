@@ -17,6 +17,11 @@ of a 1 Gbit/s link.
 Processes run in a host with ``ip netns exec``. Everything is torn down on exit (processes by
 pid, then namespaces, veths and the bridge), also when the benchmark fails.
 
+With ``pin_cpus`` every host's processes run on the host's own share of the machine's cores
+(:func:`host_cpus`), the way a real host's processes run on its own cores: where there are
+fewer cores than hosts, each host gets one core and hosts take turns, so two hosts never wake
+their processes on each other's core and every process keeps its caches.
+
 Needs root (``ip netns``); :func:`available` says whether this machine allows it.
 """
 
@@ -52,6 +57,30 @@ DEFAULT_GSO_MAX_BYTES = 192 * 1024
 
 DEFAULT_BURST_BYTES = 256 * 1024
 """Token bucket depth of the shapers: 2 ms of a 1 Gbit/s link."""
+
+
+def host_cpus(num_hosts: int, cpus: Sequence[int]) -> list[tuple[int, ...]]:
+    """The cores each of ``num_hosts`` hosts runs on, out of ``cpus``.
+
+    With at least as many cores as hosts, host ``i`` gets the ``i``-th of ``num_hosts``
+    contiguous, equal shares (the cores left over go to the first hosts, one each); with fewer,
+    host ``i`` gets the single core ``cpus[i % len(cpus)]``.
+    """
+    if num_hosts < 0:
+        raise ValueError(f"num_hosts must be >= 0, got {num_hosts}")
+    cores = sorted(set(cpus))
+    if not cores:
+        raise ValueError("no cores to run the hosts on")
+    if len(cores) < num_hosts:
+        return [(cores[i % len(cores)],) for i in range(num_hosts)]
+    share, extra = divmod(len(cores), max(1, num_hosts))
+    shares = []
+    start = 0
+    for i in range(num_hosts):
+        size = share + (1 if i < extra else 0)
+        shares.append(tuple(cores[start : start + size]))
+        start += size
+    return shares
 
 
 def check_gso_max_bytes(gso_max_bytes: int, burst_bytes: int = DEFAULT_BURST_BYTES) -> None:
@@ -96,6 +125,8 @@ class Host:
     index: int
     namespace: str
     address: str
+    cpus: tuple[int, ...] | None = None
+    """The cores its processes run on (None: wherever the machine's scheduler puts them)."""
     processes: list[subprocess.Popen] = field(default_factory=list)
 
 
@@ -116,6 +147,8 @@ class Cluster:
             the machine allows (``net.ipv4.tcp_allowed_congestion_control``, global): if
             ``tcp_cc`` is available but not allowed, it is added to that list for the
             cluster's lifetime and the list is restored on teardown.
+        pin_cpus: run each host's processes on its own cores (:func:`host_cpus` of the cores
+            this process may use); needs ``taskset`` (util-linux).
     """
 
     def __init__(
@@ -128,8 +161,11 @@ class Cluster:
         queue_ms: float = 20.0,
         gso_max_bytes: int = DEFAULT_GSO_MAX_BYTES,
         tcp_cc: str | None = DEFAULT_TCP_CC,
+        pin_cpus: bool = False,
     ) -> None:
         check_gso_max_bytes(gso_max_bytes, burst_bytes)
+        if pin_cpus and shutil.which("taskset") is None:
+            raise RuntimeError("pin_cpus needs taskset (util-linux), which is not installed")
         self.num_hosts = num_hosts
         self.rate_mbit = rate_mbit
         self.mtu = mtu
@@ -141,8 +177,15 @@ class Cluster:
         self._allowed_before: str | None = None  # the global list to restore, if we widened it
         tag = f"{os.getpid() % 100000}"
         self.bridge = f"kvbr{tag}"
+        cpus = host_cpus(num_hosts, sorted(os.sched_getaffinity(0))) if pin_cpus else None
         self.hosts = [
-            Host(i, f"kvh{tag}-{i}", f"10.77.{i // 250}.{i % 250 + 1}") for i in range(num_hosts)
+            Host(
+                i,
+                f"kvh{tag}-{i}",
+                f"10.77.{i // 250}.{i % 250 + 1}",
+                cpus[i] if cpus is not None else None,
+            )
+            for i in range(num_hosts)
         ]
         self._links: list[str] = []
         self._up = False
@@ -237,9 +280,14 @@ class Cluster:
         self.close()
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
-        """Start ``argv`` inside host ``host``; stopped by :meth:`close` if still running."""
+        """Start ``argv`` inside host ``host`` (on its cores, if pinned); stopped by
+        :meth:`close` if still running."""
+        cpus = self.hosts[host].cpus
+        # taskset sets the cores before it executes argv, so every thread the process starts
+        # inherits them.
+        pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus is not None else []
         process = subprocess.Popen(
-            ["ip", "netns", "exec", self.hosts[host].namespace, *argv],
+            ["ip", "netns", "exec", self.hosts[host].namespace, *pin, *argv],
             start_new_session=True,
             **kwargs,
         )

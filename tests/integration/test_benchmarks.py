@@ -218,6 +218,42 @@ def test_cluster_hosts_use_the_pinned_congestion_control(algorithm):
     assert not any(name in listed for name in namespaces)
 
 
+_REPORT_CORES = """
+import os, threading
+seen = []
+thread = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+thread.start()
+thread.join()
+print(sorted(os.sched_getaffinity(0)), seen[0])
+"""
+
+
+def test_cluster_pins_each_hosts_processes_and_their_threads_to_its_cores():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from netns import Cluster, available, host_cpus
+
+    why_not = available()
+    if why_not is not None:
+        pytest.skip(why_not)
+    cores = sorted(os.sched_getaffinity(0))
+    with Cluster(3, pin_cpus=True) as cluster:
+        assert [host.cpus for host in cluster.hosts] == host_cpus(3, cores)
+        for host in cluster.hosts:
+            child = cluster.popen(
+                host.index, [sys.executable, "-c", _REPORT_CORES], stdout=subprocess.PIPE, text=True
+            )
+            out, _ = child.communicate(timeout=60)
+            assert child.returncode == 0
+            assert out.split() and out.strip() == f"{list(host.cpus)} {list(host.cpus)}"
+    with Cluster(2) as cluster:  # unpinned: the machine's scheduler places them
+        assert all(host.cpus is None for host in cluster.hosts)
+        child = cluster.popen(
+            0, [sys.executable, "-c", _REPORT_CORES], stdout=subprocess.PIPE, text=True
+        )
+        out, _ = child.communicate(timeout=60)
+        assert out.strip() == f"{cores} {cores}"
+
+
 _BULK_SENDER = """
 import socket, sys
 with socket.create_connection((sys.argv[1], 5555)) as conn:
