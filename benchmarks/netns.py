@@ -19,8 +19,9 @@ pid, then namespaces, veths and the bridge), also when the benchmark fails.
 
 With ``pin_cpus`` every host's processes run on the host's own share of the machine's cores
 (:func:`host_cpus`), the way a real host's processes run on its own cores: where there are
-fewer cores than hosts, each host gets one core and hosts take turns, so two hosts never wake
-their processes on each other's core and every process keeps its caches.
+fewer cores than hosts, each host gets one core and hosts take turns, so a host's processes
+never move between cores (they keep their caches) and share their core only with the hosts
+given the same one.
 
 Needs root (``ip netns``); :func:`available` says whether this machine allows it.
 """
@@ -32,7 +33,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ DEFAULT_BURST_BYTES = 256 * 1024
 """Token bucket depth of the shapers: 2 ms of a 1 Gbit/s link."""
 
 
-def host_cpus(num_hosts: int, cpus: Sequence[int]) -> list[tuple[int, ...]]:
+def host_cpus(num_hosts: int, cpus: Iterable[int]) -> list[tuple[int, ...]]:
     """The cores each of ``num_hosts`` hosts runs on, out of ``cpus``.
 
     With at least as many cores as hosts, host ``i`` gets the ``i``-th of ``num_hosts``
@@ -74,13 +75,9 @@ def host_cpus(num_hosts: int, cpus: Sequence[int]) -> list[tuple[int, ...]]:
     if len(cores) < num_hosts:
         return [(cores[i % len(cores)],) for i in range(num_hosts)]
     share, extra = divmod(len(cores), max(1, num_hosts))
-    shares = []
-    start = 0
-    for i in range(num_hosts):
-        size = share + (1 if i < extra else 0)
-        shares.append(tuple(cores[start : start + size]))
-        start += size
-    return shares
+    # host i starts after i shares and after the extra cores of the hosts before it
+    starts = [i * share + min(i, extra) for i in range(num_hosts + 1)]
+    return [tuple(cores[starts[i] : starts[i + 1]]) for i in range(num_hosts)]
 
 
 def check_gso_max_bytes(gso_max_bytes: int, burst_bytes: int = DEFAULT_BURST_BYTES) -> None:
@@ -177,7 +174,7 @@ class Cluster:
         self._allowed_before: str | None = None  # the global list to restore, if we widened it
         tag = f"{os.getpid() % 100000}"
         self.bridge = f"kvbr{tag}"
-        cpus = host_cpus(num_hosts, sorted(os.sched_getaffinity(0))) if pin_cpus else None
+        cpus = host_cpus(num_hosts, os.sched_getaffinity(0)) if pin_cpus else None
         self.hosts = [
             Host(
                 i,

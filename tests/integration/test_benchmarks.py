@@ -244,7 +244,7 @@ def test_cluster_pins_each_hosts_processes_and_their_threads_to_its_cores():
             )
             out, _ = child.communicate(timeout=60)
             assert child.returncode == 0
-            assert out.split() and out.strip() == f"{list(host.cpus)} {list(host.cpus)}"
+            assert out.strip() == f"{list(host.cpus)} {list(host.cpus)}"
     with Cluster(2) as cluster:  # unpinned: the machine's scheduler places them
         assert all(host.cpus is None for host in cluster.hosts)
         child = cluster.popen(
