@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -235,6 +236,8 @@ def test_cluster_pins_each_hosts_processes_and_their_threads_to_its_cores():
     why_not = available()
     if why_not is not None:
         pytest.skip(why_not)
+    if shutil.which("taskset") is None:
+        pytest.skip("taskset (util-linux) is not installed")
     cores = sorted(os.sched_getaffinity(0))
     with Cluster(3, pin_cpus=True) as cluster:
         assert [host.cpus for host in cluster.hosts] == host_cpus(3, cores)
