@@ -50,7 +50,8 @@ are sent from their own memory instead of copied first; see ``KVStore.push``).
 With ``--link-trace`` a record also says how busy each role's links were during the timed
 steps, and how long they stood idle at a step's start and end (:mod:`link_trace`). With
 ``--round-trace`` a kvstore record says when the servers' rounds completed and how soon they
-were answered (:mod:`round_trace`).
+were answered (:mod:`round_trace`). With ``--pin-hosts on`` each host's processes run on its
+own share of this machine's cores (:func:`netns.host_cpus`); records say ``pinned``.
 
     python benchmarks/bench_cluster.py --preset smoke
     python benchmarks/bench_cluster.py --preset full --out results/cluster.jsonl
@@ -687,10 +688,11 @@ def orchestrate(args: argparse.Namespace) -> int:
         emit(record)
         _append(args.out, record)
 
+    # How the hosts were linked and run, in every record.
+    hosting = {"rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name, "pinned": pinned}
     for wl, n, s, placement in configs:
         hosts = n + s if placement == "separate" else n
-        where = {"workers": n, "servers": s, "placement": placement, "rate_mbit": rate,
-                 "mtu": args.mtu, "tcp_cc": tcp_cc_name, "pinned": pinned}  # fmt: skip
+        where = {"workers": n, "servers": s, "placement": placement, **hosting}
         for codec in [] if args.baselines_only else pick["codecs"]:
             record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
                       **where, **({"push_borrow": True} if args.push_borrow else {})}  # fmt: skip
@@ -699,9 +701,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             record = {"bench": "cluster", "system": BARE, "workload": wl, **where}
             cell(record, hosts, run_bare, args, wl, n, s, placement)
     for wl, n, baseline in baselines:
-        record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n,
-                  "rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name,
-                  "pinned": pinned}  # fmt: skip
+        record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n, **hosting}
         cell(record, n, run_baseline, args, wl, baseline, n)
     summary = {"bench": "cluster", "preset": args.preset, "machine": machine(),
                "wall_seconds": round(time.time() - started, 1)}  # fmt: skip

@@ -229,6 +229,16 @@ print(sorted(os.sched_getaffinity(0)), seen[0])
 """
 
 
+def _cores_seen(cluster, host: int) -> str:
+    """What a process started in ``host`` and a thread of it report as their cores."""
+    child = cluster.popen(
+        host, [sys.executable, "-c", _REPORT_CORES], stdout=subprocess.PIPE, text=True
+    )
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0
+    return out.strip()
+
+
 def test_cluster_pins_each_hosts_processes_and_their_threads_to_its_cores():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from netns import Cluster, available, host_cpus
@@ -242,19 +252,10 @@ def test_cluster_pins_each_hosts_processes_and_their_threads_to_its_cores():
     with Cluster(3, pin_cpus=True) as cluster:
         assert [host.cpus for host in cluster.hosts] == host_cpus(3, cores)
         for host in cluster.hosts:
-            child = cluster.popen(
-                host.index, [sys.executable, "-c", _REPORT_CORES], stdout=subprocess.PIPE, text=True
-            )
-            out, _ = child.communicate(timeout=60)
-            assert child.returncode == 0
-            assert out.strip() == f"{list(host.cpus)} {list(host.cpus)}"
+            assert _cores_seen(cluster, host.index) == f"{list(host.cpus)} {list(host.cpus)}"
     with Cluster(2) as cluster:  # unpinned: the machine's scheduler places them
         assert all(host.cpus is None for host in cluster.hosts)
-        child = cluster.popen(
-            0, [sys.executable, "-c", _REPORT_CORES], stdout=subprocess.PIPE, text=True
-        )
-        out, _ = child.communicate(timeout=60)
-        assert out.strip() == f"{cores} {cores}"
+        assert _cores_seen(cluster, 0) == f"{cores} {cores}"
 
 
 _BULK_SENDER = """
