@@ -181,6 +181,9 @@ class Request:
                 callback(self)
             except Exception:
                 logger.exception("completion callback of %s failed", self.what)
+            # The client keeps a chunk's last push until its next one: dropping the callback
+            # lets go of what it holds (the pull's target) as soon as it has run.
+            self._done_cb = None
         self._done = True
         self._gate.release()
 
@@ -338,7 +341,7 @@ class Transport:
         self._lock = threading.Lock()
         self._window = SendWindow(window_bytes, queue_seconds)
         self._window_full = False  # the window held a message back since the last flush
-        self._lead = lead_chunks if lead_chunks > 0 else 1 << 62
+        self._lead = max(0, lead_chunks)  # 0: no lead limit, and no pushes tracked for one
         self._in_flight_bytes = 0  # data-lane payload handed to ZeroMQ, not yet written
         self._seq = itertools.count()  # one submission order across all queues
         self._pending: dict[int, Request] = {}
@@ -565,7 +568,7 @@ class Transport:
                         window_full = self._window_full = True
                         refill_ms = self._window.refill_wait_seconds() * 1000
                         wait_ms = min(wait_ms, max(1, int(refill_ms)))
-                    elif lane.lead_blocked(self._lead, now, LEAD_PATIENCE_S):
+                    elif self._lead and lane.lead_blocked(self._lead, now, LEAD_PATIENCE_S):
                         lapse = LEAD_PATIENCE_S - (now - lane.last_answer)
                         wait_ms = min(wait_ms, max(1, int(lapse * 1000) + 1))
                     else:
@@ -589,7 +592,9 @@ class Transport:
             if track:
                 lane.in_flight.append((ticket, bulk))
                 self._in_flight_bytes += bulk
-                if request.op in _LEAD_OPS:
+                # Only a lead limit reads (and prunes) the unanswered pushes: without one,
+                # keeping them would keep every push of the job alive.
+                if self._lead and request.op in _LEAD_OPS:
                     if not lane.unanswered:
                         lane.last_answer = now
                     lane.unanswered.append(request)

@@ -1,0 +1,73 @@
+"""A warm training loop holds on to nothing per step: no requests, no pull targets.
+
+Each step of a long job makes new requests (one per chunk) and often a new ``out`` array; if
+anything kept them, a job's memory would grow with its steps (gigabytes for a model pulled into
+fresh tensors). These tests run steps against real servers and count what is still alive.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+from kvtest import connect
+
+from kvstore.worker.transport import EXPRESS_BYTES, Request
+
+pytestmark = pytest.mark.integration
+
+N = 1_000_000  # split over both servers, 16 chunks of 128 KiB each with 512 KiB partitions
+PARTITION_BYTES = 512 * 1024  # chunks above the transport's EXPRESS_BYTES: windowed, bulk
+STEPS = 12
+
+
+def _live_requests() -> int:
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if type(obj) is Request)
+
+
+@pytest.mark.parametrize("lead", ["0", "3"], ids=["no-lead-limit", "lead-limit"])
+@pytest.mark.parametrize("call", ["push+pull", "pushpull"])
+def test_steps_keep_no_requests_or_pull_targets_alive(servers_factory, monkeypatch, lead, call):
+    # Jobs of 1-2 workers run without a lead limit, larger ones with one (KVSTORE_PUSH_LEAD).
+    monkeypatch.setenv("KVSTORE_PUSH_LEAD", lead)
+    addresses = servers_factory(2, 1)
+    with connect(addresses, 0, 1, partition_bytes=PARTITION_BYTES) as kv:
+        kv.set_optimizer("sgd", learning_rate=0.1)
+        kv.init("k", np.zeros(N, np.float32))
+        chunks = len(kv._keys["k"].chunks)
+        assert chunks >= 16 and N * 4 // chunks > EXPRESS_BYTES
+        grad = np.ones(N, np.float32)
+        targets: list[weakref.ref] = []
+
+        def step() -> None:
+            out = np.empty(N, np.float32)  # a new target every step, as with fresh tensors
+            if call == "pushpull":
+                kv.pushpull("k", grad, out=out)
+            else:
+                kv.push("k", grad)
+                kv.pull("k", out=out)
+            targets.append(weakref.ref(out))
+
+        for _ in range(3):
+            step()
+        before = _live_requests()
+        for _ in range(STEPS):
+            step()
+        after = _live_requests()
+        gc.collect()
+        alive = [i for i, ref in enumerate(targets) if ref() is not None]
+        final = np.empty(N, np.float32)
+        kv.pull("k", out=final)
+
+    # the values are right: 15 SGD steps of lr 0.1 on a gradient of 1
+    np.testing.assert_allclose(final, np.full(N, -1.5, np.float32), rtol=1e-5)
+    # Not even the last step's: the client keeps each chunk's last push until the next step,
+    # but not what its completion wrote into.
+    assert not alive, f"the pull targets of steps {alive} are still alive"
+    # Anything that grows with the steps is a leak (STEPS x chunks requests were made).
+    assert after - before < chunks, (
+        f"{after - before} more live requests after {STEPS} steps of {chunks} chunks"
+    )
