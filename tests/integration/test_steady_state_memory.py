@@ -8,12 +8,14 @@ fresh tensors). These tests run steps against real servers and count what is sti
 from __future__ import annotations
 
 import gc
+import tracemalloc
 import weakref
 
 import numpy as np
 import pytest
 from kvtest import connect
 
+import kvstore
 from kvstore.worker.transport import EXPRESS_BYTES, Request
 
 pytestmark = pytest.mark.integration
@@ -70,4 +72,44 @@ def test_steps_keep_no_requests_or_pull_targets_alive(servers_factory, monkeypat
     # Anything that grows with the steps is a leak (STEPS x chunks requests were made).
     assert after - before < chunks, (
         f"{after - before} more live requests after {STEPS} steps of {chunks} chunks"
+    )
+
+
+@pytest.mark.parametrize("compression", ["none", "2bit"])
+@pytest.mark.parametrize("call", ["push+pull", "pushpull"])
+def test_a_warm_step_allocates_no_buffers(compression, call):
+    """Once warm, a step allocates no array on the worker or the server: ``local`` runs the
+    real server in this process, and tracemalloc sees numpy's allocations (ZeroMQ's receive
+    buffers are libzmq's own, reused through the malloc tuning, and not counted here)."""
+    with kvstore.create("local", partition_bytes=PARTITION_BYTES) as kv:
+        if compression == "2bit":
+            kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        kv.set_optimizer("sgd", learning_rate=0.1, momentum=0.9)
+        kv.init("k", np.zeros(N, np.float32))
+        smallest_chunk = min(chunk.numel for chunk in kv._keys["k"].chunks) * 4
+        grad = np.random.default_rng(0).standard_normal(N).astype(np.float32)
+        out = np.empty(N, np.float32)
+
+        def step() -> None:
+            if call == "pushpull":
+                kv.pushpull("k", grad, out=out)
+            else:
+                kv.push("k", grad)
+                kv.pull("k", out=out)
+
+        tracemalloc.start()
+        try:
+            for _ in range(3):
+                step()
+            tracemalloc.reset_peak()
+            start, _ = tracemalloc.get_traced_memory()
+            for _ in range(STEPS):
+                step()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    # What a step holds at its peak is its requests and headers (tens of KB for these 16
+    # chunks); one buffer of a chunk's size, let alone of the key's, would exceed this.
+    assert peak - start < smallest_chunk // 2, (
+        f"a warm step allocated up to {peak - start} bytes (smallest chunk {smallest_chunk})"
     )
