@@ -2,7 +2,8 @@
 
 Each step of a long job makes new requests (one per chunk) and often a new ``out`` array; if
 anything kept them, a job's memory would grow with its steps (gigabytes for a model pulled into
-fresh tensors). These tests run steps against real servers and count what is still alive.
+fresh tensors). These tests run steps against real servers (processes, or ``local`` mode's
+in-process one) and count what is still alive and what a step allocates.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvstore.worker.transport import EXPRESS_BYTES, Request
 
 pytestmark = pytest.mark.integration
 
-N = 1_000_000  # split over both servers, 16 chunks of 128 KiB each with 512 KiB partitions
+N = 1_000_000  # 4 MB: 16 chunks per server with 512 KiB partitions (128 KiB each on 2 servers)
 PARTITION_BYTES = 512 * 1024  # chunks above the transport's EXPRESS_BYTES: windowed, bulk
 STEPS = 12
 
