@@ -59,8 +59,7 @@ def test_steps_keep_no_requests_or_pull_targets_alive(servers_factory, monkeypat
         before = _live_requests()
         for _ in range(STEPS):
             step()
-        after = _live_requests()
-        gc.collect()
+        after = _live_requests()  # (collects first: the targets below are then settled too)
         alive = [i for i, ref in enumerate(targets) if ref() is not None]
         final = np.empty(N, np.float32)
         kv.pull("k", out=final)
