@@ -25,6 +25,19 @@ Rules (DESIGN.md, "Sharding"):
   slowest worker's push of its chunk arrives; where TCP shares a server's link unevenly among
   many workers, rounds complete in bursts and the outgoing link waits between them: see the
   README's cluster results.)
+  Ramps pay where a chunk's pushes are shorter on the wire than its replies (compressed
+  pushes, dense values back): the replies are the longer stage, and a small first chunk starts
+  them early. Where both are the same size (dense pushes, dense values) no ordering or sizing
+  of the chunks can bring the step closer to the wire than the longest chunk's round. The step
+  is then a two-stage flow shop, with chunk ``i`` taking ``t_i`` (N pushes of it over the
+  server's link) in the first stage and ``t_i`` (N replies) in the second. Its length is
+  ``max_k (t_1 + ... + t_k) + (t_k + ... + t_last)``, which is the sum of the ``t_i`` (the
+  transfer) plus the longest ``t_k``. Ramps add chunks, and so CPU, without shortening
+  the longest. That is why long slices, where such steps are measured, have none
+  (:data:`LONG_MIN_CHUNK_FRACTION`). In key10m dense, 4 workers x 4 separate servers at
+  1 Gbit/s, with 19 chunks of 514 KiB per slice, this bound is the floor plus 16.8 ms
+  (1.053x). ``bench_cluster.py --round-trace`` showed the first round of a step complete at
+  35.5 ms (median) and the step take 376 ms against a floor of 320.
 * No chunk is shorter than :func:`min_chunk_elems` (a quarter partition, 1 MiB of fp32 by
   default; an eighth in a long slice) unless its slice is. Every chunk costs a fixed amount of
   CPU on the worker and the server, whatever its size (two requests, their replies, a round's
