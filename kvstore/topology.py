@@ -33,8 +33,8 @@ Rules (DESIGN.md, "Sharding"):
   server's link) in the first stage and ``t_i`` (N replies) in the second. Its length is
   ``max_k (t_1 + ... + t_k) + (t_k + ... + t_last)``, which is the sum of the ``t_i`` (the
   transfer) plus the longest ``t_k``. Ramps add chunks, and so CPU, without shortening
-  the longest. That is why long slices, where such steps are measured, have none
-  (:data:`LONG_MIN_CHUNK_FRACTION`). In key10m dense, 4 workers x 4 separate servers at
+  the longest, which is what the measurement behind :data:`LONG_MIN_CHUNK_FRACTION` found
+  (ramps in long slices were slower). In key10m dense, 4 workers x 4 separate servers at
   1 Gbit/s, with 19 chunks of 514 KiB per slice, this bound is the floor plus 16.8 ms
   (1.053x). ``bench_cluster.py --round-trace`` showed the first round of a step complete at
   35.5 ms (median) and the step take 376 ms against a floor of 320.
