@@ -18,26 +18,21 @@ Rules (DESIGN.md, "Sharding"):
   slice (one whose key pushes at least :data:`LONG_SLICE_PARTITIONS` partitions) into
   :data:`LONG_SLICE_PARTS`, none longer than ``partition_elems`` (:func:`slice_chunking`).
   Chunk sizes ramp up at the start of a slice and down at its end where the slice is long
-  enough for ramp steps of at least the shortest chunk (:func:`chunk_sizes`): a server's first
-  round of a step completes, and its replies start flowing back, after a small first chunk
-  has arrived from every worker, and after the last push arrives only small chunks remain to
-  be sent back; most bytes still travel in full-size messages. (A round completes when the
-  slowest worker's push of its chunk arrives; where TCP shares a server's link unevenly among
-  many workers, rounds complete in bursts and the outgoing link waits between them: see the
-  README's cluster results.)
-  Ramps pay where a chunk's pushes are shorter on the wire than its replies (compressed
-  pushes, dense values back): the replies are the longer stage, and a small first chunk starts
-  them early. Where both are the same size (dense pushes, dense values) no ordering or sizing
-  of the chunks can bring the step closer to the wire than the longest chunk's round. The step
-  is then a two-stage flow shop, with chunk ``i`` taking ``t_i`` (N pushes of it over the
-  server's link) in the first stage and ``t_i`` (N replies) in the second. Its length is
-  ``max_k (t_1 + ... + t_k) + (t_k + ... + t_last)``, which is the sum of the ``t_i`` (the
-  transfer) plus the longest ``t_k``. Ramps add chunks, and so CPU, without shortening
-  the longest, which is what the measurement behind :data:`LONG_MIN_CHUNK_FRACTION` found
-  (ramps in long slices were slower). In key10m dense, 4 workers x 4 separate servers at
-  1 Gbit/s, with 19 chunks of 514 KiB per slice, this bound is the floor plus 16.8 ms
-  (1.053x). ``bench_cluster.py --round-trace`` showed the first round of a step complete at
-  35.5 ms (median) and the step take 376 ms against a floor of 320.
+  enough for ramp steps of at least the shortest chunk (:func:`chunk_sizes`); most bytes
+  still travel in full-size messages. A step is a two-stage flow shop: chunk ``i`` takes
+  ``p_i`` to reach a server from every worker (N pushes over its link) and ``r_i`` to go back
+  (N replies), and the step lasts ``max_k (p_1 + ... + p_k) + (r_k + ... + r_last)``. Where
+  pushes are shorter on the wire than replies (compressed pushes, dense values back) that is
+  about ``p_1`` plus the replies, and a small first chunk starts them early. Where both are
+  the same size (dense) it is the transfer plus the longest chunk's round, however the chunks
+  are sized or ordered: ramps only add chunks, and so CPU, which is what the measurement
+  behind :data:`LONG_MIN_CHUNK_FRACTION` found (ramps in long slices were slower). In key10m
+  dense, 4 workers x 4 separate servers at 1 Gbit/s (19 chunks of 514 KiB per slice) that
+  bound is the floor plus 16.8 ms (1.053x); ``bench_cluster.py --round-trace`` showed the
+  first round of a step complete at 35.5 ms (median) and the step take 376 ms against a floor
+  of 320. (A round completes when the slowest worker's push of its chunk arrives; where TCP
+  shares a server's link unevenly among many workers, rounds complete in bursts and the
+  outgoing link waits between them: see the README's cluster results.)
 * No chunk is shorter than :func:`min_chunk_elems` (a quarter partition, 1 MiB of fp32 by
   default; an eighth in a long slice) unless its slice is. Every chunk costs a fixed amount of
   CPU on the worker and the server, whatever its size (two requests, their replies, a round's
