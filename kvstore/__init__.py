@@ -13,7 +13,7 @@ touches CuPy, torch or the worker's sockets.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import typing as _typing
 
 from kvstore._version import __version__
 from kvstore.api import MODES, create
@@ -32,7 +32,7 @@ from kvstore.errors import (
     ValueMismatchError,
 )
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from kvstore.worker.client import KVStore, TrafficStats
 
 __all__ = [
@@ -56,9 +56,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("KVStore", "TrafficStats"):
+_LAZY = ("KVStore", "TrafficStats")
+
+
+def __getattr__(name: str) -> object:
+    # The worker client is imported on first use: importing kvstore stays free of sockets,
+    # threads, CuPy and torch.
+    if name in _LAZY:
         from kvstore.worker import client  # noqa: PLC0415
 
         return getattr(client, name)
     raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
