@@ -1,7 +1,9 @@
 """Turn ``bench_cluster.py`` JSON lines into a Markdown table and a PNG plot.
 
     python benchmarks/report.py results/cluster_mtu9000.jsonl \\
-        --markdown results/cluster.md --plot results/cluster.png
+        --markdown TABLE.md --plot docs/img/cluster.png
+
+(docs/cluster-grid.md is the table under a short introduction; a test checks it against the data.)
 
 The table has one row per workload, workers, servers and placement: seconds per push+pull step
 for each codec of the run (dense ``none``, ``2bit``, ``2bit-agg``), each next to its wire floor
