@@ -2,16 +2,29 @@
 
 Usage::
 
-    kvstore-launch -n N [-s S] [--launcher local|ssh] [-H HOSTFILE] -- COMMAND ARGS...
+    kvstore-launch -n N [-s S] [--launcher local|ssh|slurm] [-H HOSTFILE] -- COMMAND ARGS...
+
+``--launcher slurm`` runs inside a Slurm allocation (an ``sbatch`` script or an ``salloc``
+shell) and starts every process on the allocation's nodes with ``srun``; see
+:class:`~kvstore.deploy.backends.SlurmBackend`. The launcher logs (role ``launch``) in the
+format of every kvstore process, at ``KVSTORE_LOG_LEVEL`` (default INFO).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
-from kvstore.deploy.backends import LocalBackend, SSHBackend, read_hostfile
+from kvstore import _logging
+from kvstore.deploy.backends import (
+    Backend,
+    LocalBackend,
+    SlurmBackend,
+    SSHBackend,
+    read_hostfile,
+)
 from kvstore.deploy.supervisor import Supervisor
 from kvstore.errors import ConfigError
 
@@ -26,10 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-s", "--num-servers", type=int, default=None, help="servers S (default: N)"
     )
-    parser.add_argument("--launcher", choices=("local", "ssh"), default="local")
+    parser.add_argument("--launcher", choices=("local", "ssh", "slurm"), default="local")
     parser.add_argument("-H", "--hostfile", help="hosts for the ssh launcher, one per line")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="interface local servers bind (default 127.0.0.1)"
+        "--host",
+        default=None,
+        help="(local, slurm) address servers bind: local default 127.0.0.1; slurm default "
+        "0.0.0.0 on each node, where workers connect to NODE:PORT",
     )
     parser.add_argument("--server-threads", type=int, default=None, help="threads per server")
     parser.add_argument(
@@ -42,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="VAR",
         help="(ssh) pass this local environment variable on to remote processes",
     )
-    parser.add_argument("--python", default="python3", help="(ssh) interpreter on the hosts")
+    parser.add_argument(
+        "--python",
+        default=None,
+        help="(ssh, slurm) interpreter on the hosts (ssh default python3, slurm default this one)",
+    )
     parser.add_argument(
         "--ssh-command", default="ssh -o BatchMode=yes", help="(ssh) ssh client and options"
     )
@@ -50,9 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Not __name__: run as ``python -m kvstore.deploy`` that is "__main__", outside the kvstore tree.
+logger = logging.getLogger("kvstore.deploy")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _logging.configure("launch", default_level="INFO")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -63,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     num_servers = args.num_servers if args.num_servers is not None else args.num_workers
     if num_servers < 1:
         parser.error(f"-s must be >= 1, got {num_servers}")
+    if args.hostfile and args.launcher != "ssh":
+        parser.error("-H is for --launcher ssh")
+    backend: Backend
     try:
         if args.launcher == "ssh":
             if not args.hostfile:
@@ -71,13 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 read_hostfile(args.hostfile),
                 num_servers=num_servers,
                 ssh_command=args.ssh_command.split(),
-                python=args.python,
+                python=args.python or "python3",
                 forward_env=args.env,
             )
+        elif args.launcher == "slurm":
+            backend = SlurmBackend.from_env(
+                num_servers=num_servers, bind=args.host or "0.0.0.0", python=args.python
+            )
+            _describe_slurm(backend, args.num_workers, num_servers)
         else:
-            if args.hostfile:
-                parser.error("-H is for --launcher ssh")
-            backend = LocalBackend(args.host)
+            backend = LocalBackend(args.host or "127.0.0.1")
     except ConfigError as exc:
         parser.error(str(exc))
     supervisor = Supervisor(
@@ -89,6 +120,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         server_threads=args.server_threads,
     )
     return supervisor.run()
+
+
+def _describe_slurm(backend: SlurmBackend, num_workers: int, num_servers: int) -> None:
+    def hosts(role: str, count: int) -> str:
+        return " ".join(backend.node(role, r) for r in range(count))
+
+    logger.info(
+        "slurm job %s, %d node(s): servers on %s; workers on %s",
+        backend.job_id or "?",
+        len(backend.nodes),
+        hosts("server", num_servers),
+        hosts("worker", num_workers),
+    )
 
 
 if __name__ == "__main__":

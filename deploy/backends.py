@@ -4,7 +4,9 @@ A backend only turns "run this argv with these variables as server 2 / worker 0"
 and environment for a local child process; the :mod:`~kvstore.deploy.supervisor` starts, watches
 and stops those children. ``local`` runs everything on this machine; ``ssh`` runs each process
 on a host from a hostfile through ``ssh`` (servers first, then workers, cycling through the
-hosts like MXNet's launcher), quoting every word with :func:`shlex.quote`.
+hosts like MXNet's launcher, see :func:`place`), quoting every word with :func:`shlex.quote`;
+``slurm`` places them the same way on the nodes of the Slurm allocation it runs in (read by
+:mod:`kvstore.deploy.slurm_env`) and starts each with ``srun``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from kvstore.deploy.slurm_env import allocation_from_env
 from kvstore.errors import ConfigError
 
 
@@ -36,7 +39,16 @@ class Backend(ABC):
 
     @abstractmethod
     def server_host(self, server_rank: int) -> str:
-        """The host server ``server_rank`` binds to and workers connect to."""
+        """The ``--host`` server ``server_rank`` binds (and, by default, workers connect to)."""
+
+    def server_address(self, server_rank: int, ready_address: str) -> str:
+        """The address workers connect to, given the one the server printed when ready.
+
+        The server's own: it names the host it bound. A backend whose servers bind every
+        interface (``0.0.0.0``, where the server can only guess its name) puts the name that
+        the workers' hosts know instead.
+        """
+        return ready_address
 
     @abstractmethod
     def server_python(self) -> str:
@@ -92,6 +104,13 @@ def read_hostfile(path: str | Path) -> list[str]:
     return hosts
 
 
+def place(hosts: Sequence[str], num_servers: int, role: str, rank: int) -> str:
+    """The host of ``role`` ``rank``: servers take hosts ``0..S-1``, workers the following ones,
+    cycling through ``hosts`` (so with one host everything runs there)."""
+    slot = rank if role == "server" else num_servers + rank
+    return hosts[slot % len(hosts)]
+
+
 class SSHBackend(Backend):
     """Processes on remote hosts through ``ssh``.
 
@@ -128,8 +147,7 @@ class SSHBackend(Backend):
         self.forward_env = list(forward_env)
 
     def _host(self, role: str, rank: int) -> str:
-        slot = rank if role == "server" else self.num_servers + rank
-        return self.hosts[slot % len(self.hosts)]
+        return place(self.hosts, self.num_servers, role, rank)
 
     def server_host(self, server_rank: int) -> str:
         return self._host("server", server_rank)
@@ -151,4 +169,115 @@ class SSHBackend(Backend):
         return ChildCommand([*self.ssh_command, self._host(role, rank), remote], dict(os.environ))
 
 
-BACKENDS: dict[str, type[Backend]] = {"local": LocalBackend, "ssh": SSHBackend}
+class SlurmBackend(Backend):
+    """Processes on the nodes of the Slurm allocation the launcher runs in, one ``srun`` each.
+
+    Placement is the ssh backend's (:func:`place`: servers on nodes ``0..S-1``, then workers,
+    cycling). Each process is a job step of its own, started from the launcher's node with::
+
+        srun --nodes=1 --ntasks=1 --nodelist=NODE --overlap --chdir=CWD --export=ALL \
+             --job-name=kvstore-ROLE-RANK ARGV...
+
+    ``--overlap`` lets the steps on one node (a server and workers) share its CPUs, so that they
+    all start whatever the allocation's shape (without it a second step on a node waits for
+    CPUs no step gives back); there is no ``--exact``, which would confine each process to the
+    one CPU its step asked for instead of the node's share of the allocation.
+    ``--export=ALL`` (over a ``SLURM_EXPORT_ENV`` the user may have set) carries the
+    launcher's environment, the job's ``KVSTORE_*`` variables included, to the process.
+
+    Servers bind ``bind`` (default ``0.0.0.0``: every interface, whatever the node's own name
+    resolves to there) and workers connect to ``tcp://NODE:PORT``, the node names being what
+    Slurm and so the cluster's resolver know.
+
+    Args:
+        nodes: node names (see :func:`kvstore.deploy.slurm_env.allocation_from_env`).
+        num_servers: S, to place workers after servers.
+        srun: the ``srun`` to run.
+        bind: the address servers bind on their node.
+        python: the interpreter on the nodes (default: this one, as with a shared file system
+            and the exported ``PATH``).
+        job_id: ``SLURM_JOB_ID``, for messages.
+    """
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        nodes: Sequence[str],
+        *,
+        num_servers: int,
+        srun: str = "srun",
+        bind: str = "0.0.0.0",
+        python: str | None = None,
+        job_id: str | None = None,
+    ) -> None:
+        if not nodes:
+            raise ConfigError("the slurm launcher needs at least one node")
+        self.nodes = list(nodes)
+        self.num_servers = num_servers
+        self.srun = srun
+        self.bind = bind
+        self.python = python or sys.executable
+        self.job_id = job_id
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        num_servers: int,
+        bind: str = "0.0.0.0",
+        python: str | None = None,
+    ) -> SlurmBackend:
+        """The backend for the allocation described by Slurm's variables in ``env``.
+
+        Raises:
+            ConfigError: not inside an allocation, or no ``srun`` on ``PATH``.
+        """
+        allocation = allocation_from_env(os.environ if env is None else env)
+        return cls(
+            allocation.nodes,
+            num_servers=num_servers,
+            srun=allocation.srun,
+            bind=bind,
+            python=python,
+            job_id=allocation.job_id,
+        )
+
+    def node(self, role: str, rank: int) -> str:
+        """The node ``role`` ``rank`` runs on."""
+        return place(self.nodes, self.num_servers, role, rank)
+
+    def server_host(self, server_rank: int) -> str:
+        return self.bind
+
+    def server_address(self, server_rank: int, ready_address: str) -> str:
+        _, sep, port = ready_address.rpartition(":")
+        if not sep or not port.isdigit():
+            return ready_address
+        return f"tcp://{self.node('server', server_rank)}:{port}"
+
+    def server_python(self) -> str:
+        return self.python
+
+    def child(
+        self, role: str, rank: int, argv: Sequence[str], env: Mapping[str, str]
+    ) -> ChildCommand:
+        step = [
+            self.srun,
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={self.node(role, rank)}",
+            "--overlap",
+            f"--chdir={os.getcwd()}",
+            "--export=ALL",
+            f"--job-name=kvstore-{role}-{rank}",
+        ]
+        return ChildCommand([*step, *argv], {**os.environ, **env})
+
+
+BACKENDS: dict[str, type[Backend]] = {
+    "local": LocalBackend,
+    "ssh": SSHBackend,
+    "slurm": SlurmBackend,
+}

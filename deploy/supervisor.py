@@ -7,6 +7,9 @@ The sequence:
 2. start N workers running the user's command with ``KVSTORE_SERVERS``, ``KVSTORE_RANK``,
    ``KVSTORE_NUM_WORKERS`` and ``KVSTORE_NUM_SERVERS`` set;
 3. forward every line each child prints, prefixed with ``[server I]`` or ``[worker R]``;
+   the launcher's own messages are log records of role ``launch`` in the format every kvstore
+   process uses (:data:`kvstore._logging.FORMAT`), shown at ``KVSTORE_LOG_LEVEL`` (INFO by
+   default under ``kvstore-launch``);
 4. when all workers exit 0, stop the servers and return 0. When any child fails first (a worker
    exits non-zero, a server exits at all, or a server never gets ready), say which one, stop all
    the others, and return its exit code (``128 + signal`` for a child killed by a signal).
@@ -18,6 +21,7 @@ loader processes) go with it.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -28,9 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from kvstore import _logging
 from kvstore.deploy.backends import Backend
 
 READY_PREFIX = "KVSTORE_READY"
+
+logger = logging.getLogger(__name__)
+_FORMATTER = _logging.formatter("launch")
 
 
 @dataclass
@@ -115,9 +123,17 @@ class Supervisor:
             stream.write(prefix + line)
             stream.flush()
 
-    def say(self, message: str) -> None:
-        """A line of the launcher's own (on stderr)."""
-        self._emit(self._err, b"", f"kvstore-launch: {message}".encode())
+    def say(self, message: str, level: int = logging.ERROR) -> None:
+        """A message of the launcher's own: a record of this module's logger at ``level``.
+
+        Formatted here and written to ``err`` (not through the logger's handlers) so that it
+        goes where the children's output goes, under the same lock, whole lines only; the
+        logger's level (``KVSTORE_LOG_LEVEL``) still decides whether it shows.
+        """
+        if not logger.isEnabledFor(level):
+            return
+        record = logger.makeRecord(logger.name, level, __file__, 0, message, None, None)
+        self._emit(self._err, b"", _FORMATTER.format(record).encode())
 
     def _pump(self, child: Child, source: IO[bytes], sink: IO[bytes], watch_ready: bool) -> None:
         prefix = f"[{child.label}] ".encode()
@@ -218,6 +234,11 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _run(self) -> int:
+        self.say(
+            f"starting {self.num_servers} server(s) and {self.num_workers} worker(s) "
+            f"({self.backend.name} launcher)",
+            logging.INFO,
+        )
         servers = [
             self._start("server", rank, self._server_argv(rank), {})
             for rank in range(self.num_servers)
@@ -225,7 +246,8 @@ class Supervisor:
         status = self._wait_ready(servers)
         if status is not None:
             return status
-        addresses = ",".join(s.address or "" for s in servers)
+        addresses = ",".join(self.backend.server_address(s.rank, s.address or "") for s in servers)
+        self.say(f"servers ready: {addresses}", logging.INFO)
         workers = []
         for rank in range(self.num_workers):
             env = {
@@ -265,7 +287,8 @@ class Supervisor:
     def _watch(self, servers: list[Child], workers: list[Child]) -> int:
         while True:
             if self._interrupted is not None:
-                self.say(f"interrupted by {signal.Signals(self._interrupted).name}; stopping")
+                name = signal.Signals(self._interrupted).name
+                self.say(f"interrupted by {name}; stopping", logging.WARNING)
                 return 128 + self._interrupted
             for worker in workers:
                 code = worker.process.poll()
@@ -280,5 +303,6 @@ class Supervisor:
                     )
                     return exit_status(server.process.returncode) or 1
             if all(w.process.poll() == 0 for w in workers):
+                self.say("all workers finished; stopping the servers", logging.INFO)
                 return 0
             time.sleep(0.05)

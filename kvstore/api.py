@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from kvstore import _logging
 from kvstore.config import ClusterConfig, WorkerOptions
 from kvstore.errors import ConfigError
 
@@ -52,6 +53,10 @@ def create(
     ``KVSTORE_RANK`` and ``KVSTORE_NUM_WORKERS`` (set by ``kvstore-launch``); the keyword
     arguments override them. ``local`` needs no environment: it starts an in-process server.
 
+    It also routes the ``kvstore`` loggers (role ``worker R``), keeping an application's own
+    logging setup: see :func:`kvstore._logging.configure_worker` for the rule and
+    ``KVSTORE_LOG_LEVEL``.
+
     Args:
         name: ``"dist_sync"``, ``"dist_async"`` or ``"local"``.
         servers: server addresses in rank order (overrides ``KVSTORE_SERVERS``).
@@ -94,8 +99,11 @@ def create(
     if mode == "local":
         if servers is not None or (num_workers not in (None, 1)) or rank not in (None, 0):
             raise ConfigError("the local mode runs one worker (rank 0) with its own server")
+        _logging.configure_worker("worker 0")
         return _create_local(options)
     cluster = _cluster(os.environ, servers, rank, num_workers)
+    # Before the store connects, so that its first records already go where they should.
+    _logging.configure_worker(f"worker {cluster.rank}")
     return KVStore(mode, cluster, options)
 
 
