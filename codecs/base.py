@@ -38,10 +38,11 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from kvstore.codecs.xp import array_module
 from kvstore.errors import CodecError
 
 Payloads = Sequence[Any]
@@ -66,6 +67,31 @@ def accumulator_dtype(dtype: str) -> np.dtype:
         raise CodecError(
             f"dtype {dtype!r} is not supported; supported: {sorted(_ACCUMULATOR_DTYPES)}"
         ) from None
+
+
+def squared_norm(values: Any) -> float:
+    """``||values||^2`` of a flat numpy or CuPy array, computed where the array lives.
+
+    Float16 and integer values are summed in float64 (their own dtype would overflow)."""
+    xp = array_module(values)
+    if values.dtype.kind != "f" or values.dtype.itemsize < 4:
+        values = values.astype(xp.float64)
+    return float(xp.dot(values, values))
+
+
+class PushQuality(NamedTuple):
+    """What one push of a chunk sent and kept back (see :meth:`Encoder.quality`).
+
+    Attributes:
+        gradient_sq: ``||g||^2`` of the values pushed.
+        residual_sq: ``||r||^2`` of the residual left after the push (what error feedback
+            carries into the next push; 0 for codecs without one).
+        sent_nonzero: how many elements the push sent as nonzero.
+    """
+
+    gradient_sq: float
+    residual_sq: float
+    sent_nonzero: int
 
 
 def frame_array(frame: Any, dtype: np.dtype | type, count: int | None = None) -> np.ndarray:
@@ -101,6 +127,16 @@ class Encoder(ABC):
         encoder's own: frames that are ``values``' memory, which the caller then keeps
         unchanged until they were sent. None (the default) where the codec must encode, or
         where ``values`` is not host memory: the caller then calls :meth:`encode`.
+        """
+        return None
+
+    def quality(self, values: Any) -> PushQuality | None:
+        """Measure the push just made of ``values`` (by :meth:`encode` or :meth:`borrow`), before
+        the next one: the metrics' residual norm and density (:mod:`kvstore.metrics`).
+
+        Called only with metrics on, and then on one push in ``KVSTORE_METRICS_EVERY``, so it
+        may make passes over the chunk; for GPU values it computes on the device. None (the
+        default) where the codec does not say.
         """
         return None
 

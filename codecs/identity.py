@@ -16,10 +16,12 @@ from kvstore.codecs.base import (
     Codec,
     Encoder,
     Payloads,
+    PushQuality,
     frame_array,
     register_codec,
+    squared_norm,
 )
-from kvstore.codecs.xp import pinned_empty
+from kvstore.codecs.xp import array_module, pinned_empty
 
 
 class _HostIdentityEncoder(Encoder):
@@ -39,6 +41,11 @@ class _HostIdentityEncoder(Encoder):
     def borrow(self, values: Any) -> list[Any] | None:
         # The payload of a dense push is the values themselves: host memory is sent as it is.
         return [values] if isinstance(values, np.ndarray) else None
+
+    def quality(self, values: Any) -> PushQuality:
+        # Everything is sent exactly: no residual, and the nonzero values are the density.
+        nonzero = int(array_module(values).count_nonzero(values))
+        return PushQuality(squared_norm(values), 0.0, nonzero)
 
 
 class _IdentityAggregator(Aggregator):

@@ -46,9 +46,11 @@ from kvstore.codecs.base import (
     Codec,
     Encoder,
     Payloads,
+    PushQuality,
     frame_array,
     positive_float32,
     register_codec,
+    squared_norm,
 )
 from kvstore.codecs.xp import is_cupy_array, pinned_empty
 from kvstore.config import cpu_kernels_from_env
@@ -199,6 +201,18 @@ def decode(
     return out
 
 
+_NONZERO_CODES = np.array(
+    [sum((byte >> shift) & 2 != 0 for shift in (0, 2, 4, 6)) for byte in range(256)], np.uint8
+)
+"""Nonzero 2-bit codes in each byte value: a code is nonzero exactly when its high bit is set
+(``11`` and ``10``; ``01`` is never produced, and the padding is ``00``)."""
+
+
+def count_sent(words: np.ndarray) -> int:
+    """How many elements packed ``words`` (host memory) send as +t or -t."""
+    return int(_NONZERO_CODES[np.asarray(words).view(np.uint8)].sum(dtype=np.int64))
+
+
 # codec parts ---------------------------------------------------------------------------------
 
 
@@ -215,6 +229,11 @@ class _HostTwoBitEncoder(Encoder):
     def encode(self, values: Any) -> list[Any]:
         self._encode(values, self.residual, self.threshold, self._words)
         return [self._words]
+
+    def quality(self, values: Any) -> PushQuality:
+        return PushQuality(
+            squared_norm(values), squared_norm(self.residual), count_sent(self._words)
+        )
 
 
 class _CudaTwoBitEncoder(Encoder):
@@ -235,6 +254,13 @@ class _CudaTwoBitEncoder(Encoder):
         _twobit_cuda.encode(values, self.residual, self.threshold, self._words)
         self._words.get(out=self._host)  # waits for the kernel; the grad is free afterwards
         return [self._host]
+
+    def quality(self, values: Any) -> PushQuality:
+        # The norms on the device (two reductions, one scalar back each); the codes from the
+        # host copy of the words that the push sends anyway.
+        return PushQuality(
+            squared_norm(values), squared_norm(self.residual), count_sent(self._host)
+        )
 
 
 class _TwoBitAggregator(Aggregator):

@@ -1,9 +1,10 @@
 """Configuration: the ``KVSTORE_*`` environment variables and the per-role config objects.
 
 This module is the single source of the environment variables. :data:`ENV_VARS` lists each with
-its type, default, the role that reads it and its meaning; README's table is checked against it
-by a test. Nothing reads the environment at import time: configs are built once per process with
-``from_env()``, and explicit arguments take precedence over the environment.
+its type, default, the role that reads it and its meaning; the tables of README.md and
+docs/operations.md are checked against it by a test. Nothing reads the environment at import
+time: configs are built once per process with ``from_env()``, and explicit arguments take
+precedence over the environment.
 
 A missing or malformed variable raises :class:`~kvstore.errors.ConfigError` naming the variable,
 the bad value, and pointing at ``kvstore-launch``, which sets the job variables for you.
@@ -13,6 +14,7 @@ This module depends on nothing else in the package but :mod:`kvstore.errors`.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -25,6 +27,10 @@ LAUNCH_HINT = (
 )
 
 _ADDRESS_RE = re.compile(r"^(tcp://[^\s,:]+:\d{1,5}|inproc://[^\s,]+|ipc://[^\s,]+)$")
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
 
 
 @dataclass(frozen=True)
@@ -154,11 +160,36 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "value; 0 always pulls dense values.",
     ),
     EnvVar(
+        "KVSTORE_METRICS_PORT",
+        "int 0-65535",
+        "(unset: no endpoint)",
+        "worker, server",
+        'Serve Prometheus metrics over HTTP (needs `pip install "pskv[metrics]"`): with '
+        "P set, server I listens on port P + I and worker R on P + S + R (S servers), so one "
+        "value serves a whole job; 0: each process picks a free port and logs its URL at INFO.",
+    ),
+    EnvVar(
+        "KVSTORE_METRICS_ADDR",
+        "host name or IP address",
+        "127.0.0.1",
+        "worker, server",
+        "Interface the metrics endpoint binds; `0.0.0.0` lets a Prometheus on another host "
+        "scrape it (the endpoint has no authentication).",
+    ),
+    EnvVar(
+        "KVSTORE_METRICS_EVERY",
+        "int >= 1",
+        "10",
+        "worker",
+        "With metrics on, a key's residual norm relative to its gradient and the density it "
+        "sent are measured on every K-th push of the key (the first included).",
+    ),
+    EnvVar(
         "KVSTORE_LOG_LEVEL",
         "DEBUG, INFO, WARNING, ERROR",
-        "WARNING (servers: INFO)",
-        "all",
-        "Log level of the `kvstore` loggers.",
+        "WARNING (servers and the launcher: INFO)",
+        "worker, server, launcher",
+        "Log level of the `kvstore` loggers; every process logs in one format (see Logs).",
     ),
 )
 
@@ -173,6 +204,11 @@ so the best size is where the two balance. Measured at commit ``c061cb3``, key10
 alternating, x the floor; the CPU-busiest cell of the cluster grid): 2 MiB 1.386, 1.294; 3 MiB
 1.303, 1.331; 4 MiB 1.195, 1.217, 1.232, 1.249; 8 MiB 1.276, 1.277; 16 MiB 1.657, 1.689."""
 DEFAULT_CONNECT_TIMEOUT = 60.0
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+"""Default ``KVSTORE_METRICS_ADDR``. The endpoint has no authentication and names the job's keys,
+so, like ``kvstore-server --host``, it stays on the host unless asked: a Prometheus on another
+host needs ``KVSTORE_METRICS_ADDR=0.0.0.0`` (or the host's address)."""
+DEFAULT_METRICS_EVERY = 10
 # IPTOS_LOWDELAY: Linux maps it to TC_PRIO_INTERACTIVE, the first band of pfifo_fast, so a
 # host whose queue honours TOS sends pushes ahead of the bulk server replies sharing its uplink.
 DEFAULT_PUSH_TOS = 0x10
@@ -300,6 +336,64 @@ class ClusterConfig:
         return cls(servers=servers, rank=rank, num_workers=num_workers)
 
 
+def parse_host(name: str, raw: str) -> str:
+    """A host name or an IPv4/IPv6 address to bind (no scheme, no port)."""
+    value = raw.strip()
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    if not _HOSTNAME_RE.match(value):
+        raise ConfigError(
+            f"{name}={raw!r} is not a host name or an IP address (e.g. 127.0.0.1 or 0.0.0.0)"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Settings of the Prometheus endpoint (see :mod:`kvstore.metrics` for the port rule).
+
+    Attributes:
+        port: the base port P; server I listens on ``P + I``, worker R on ``P + S + R``. 0:
+            every process picks a free port.
+        addr: interface to bind.
+        every: a worker measures a key's residual norm and density on every ``every``-th push
+            of it.
+    """
+
+    port: int = 0
+    addr: str = DEFAULT_METRICS_ADDR
+    every: int = DEFAULT_METRICS_EVERY
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"metrics port {self.port} is out of range 0..65535")
+        if not self.addr:
+            raise ConfigError("the metrics address is empty")
+        if self.every < 1:
+            raise ConfigError(f"metrics every must be >= 1, got {self.every}")
+
+
+def metrics_config_from_env(env: Mapping[str, str] | None = None) -> MetricsConfig | None:
+    """``KVSTORE_METRICS_PORT``, ``_ADDR`` and ``_EVERY``; None (no endpoint) while the port is
+    unset. The other two are validated whenever they are set, so a typo never waits for the day
+    the port is."""
+    env = os.environ if env is None else env
+    raw = _get(env, "KVSTORE_METRICS_ADDR")
+    addr = DEFAULT_METRICS_ADDR if raw is None else parse_host("KVSTORE_METRICS_ADDR", raw)
+    raw = _get(env, "KVSTORE_METRICS_EVERY")
+    every = (
+        DEFAULT_METRICS_EVERY if raw is None else parse_int("KVSTORE_METRICS_EVERY", raw, minimum=1)
+    )
+    raw = _get(env, "KVSTORE_METRICS_PORT")
+    if raw is None:
+        return None
+    port = parse_int("KVSTORE_METRICS_PORT", raw, minimum=0, maximum=65535)
+    return MetricsConfig(port=port, addr=addr, every=every)
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     """Worker tunables (all have defaults; see :data:`ENV_VARS`).
@@ -317,6 +411,7 @@ class WorkerOptions:
         send_queue_ms: pushes queued for the connections, in milliseconds of the measured
             send rate (0: a fixed ``2 * partition_bytes``; see
             :class:`kvstore.worker.send_window.SendWindow`).
+        metrics: the Prometheus endpoint's settings; None: no endpoint.
     """
 
     bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
@@ -327,6 +422,7 @@ class WorkerOptions:
     push_lead: int | None = None
     push_tos: int | None = None
     send_queue_ms: float = 0.0
+    metrics: MetricsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.bigarray_bound < 1:
@@ -374,6 +470,7 @@ class WorkerOptions:
         raw = _get(env, "KVSTORE_PULL_RELAY")
         if raw is not None:
             values["pull_relay"] = parse_switch("KVSTORE_PULL_RELAY", raw)
+        values["metrics"] = metrics_config_from_env(env)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 
@@ -440,6 +537,7 @@ class ServerConfig:
         num_workers: N; a ``dist_sync`` round completes when all N workers pushed.
         threads: executor threads for decode, aggregation and optimizer work.
         bind: explicit ZeroMQ endpoint that overrides host and port (``inproc://...``).
+        metrics: the Prometheus endpoint's settings; None: no endpoint.
     """
 
     host: str = "127.0.0.1"
@@ -449,6 +547,7 @@ class ServerConfig:
     num_workers: int = 1
     threads: int = field(default_factory=default_server_threads)
     bind: str | None = None
+    metrics: MetricsConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

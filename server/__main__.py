@@ -1,6 +1,8 @@
 """``kvstore-server``: run one shard server until SIGTERM or SIGINT.
 
-Once bound it prints exactly one line, ``KVSTORE_READY tcp://HOST:PORT``, on stdout.
+Once bound it prints exactly one line, ``KVSTORE_READY tcp://HOST:PORT``, on stdout. With
+``KVSTORE_METRICS_PORT`` set it also serves Prometheus metrics (:mod:`kvstore.metrics`; server I
+on port ``P + I``) and logs their URL at INFO.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 
 from kvstore import _logging
 from kvstore._malloc import tune_malloc
-from kvstore.config import ServerConfig, server_threads_from_env
+from kvstore.config import ServerConfig, metrics_config_from_env, server_threads_from_env
 from kvstore.errors import ConfigError
 from kvstore.server.server import ShardServer
 
@@ -46,6 +48,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
             num_servers=args.num_servers,
             num_workers=args.num_workers,
             threads=threads,
+            metrics=metrics_config_from_env(),
         )
     except ConfigError as exc:
         parser.error(str(exc))
@@ -61,7 +64,7 @@ async def serve(config: ServerConfig) -> int:
     server = ShardServer(config)
     try:
         address = await server.start()
-    except OSError as exc:
+    except (OSError, ConfigError) as exc:  # (ConfigError: the metrics extra is missing)
         print(f"kvstore-server: {exc}", file=sys.stderr)
         return 1
     # Everything allocated so far (modules, numba, numpy, the server's state) lives as long as

@@ -25,6 +25,7 @@ from kvstore.codecs import Aggregator, Codec, accumulator_dtype
 from kvstore.server.optimizers import Optimizer
 from kvstore.server.published import PublishedValue
 from kvstore.topology import Key
+from kvstore.wire import Op
 
 
 class PendingReply(NamedTuple):
@@ -35,6 +36,7 @@ class PendingReply(NamedTuple):
         rid: the request id.
         rank: the worker's rank.
         want_value: reply with the chunk's value (pull, pushpull) rather than an empty ack.
+        op: the request's operation (what the metrics count the reply under).
         relay_max: the worker takes a relayed value of at most this many pushes (0: dense).
     """
 
@@ -42,6 +44,7 @@ class PendingReply(NamedTuple):
     rid: int
     rank: int
     want_value: bool
+    op: Op
     relay_max: int = 0
 
 
@@ -105,6 +108,7 @@ class ChunkState:
     round_replies: list[PendingReply] = field(default_factory=list)
     round_error: BaseException | None = None
     accumulated: int = 0
+    round_started: float = 0.0  # perf_counter() of the round's first push (with metrics only)
     round_payloads: list[Any] = field(default_factory=list)  # in the order they were summed
     # The payloads whose decoded sum (in this order) is the published value, when the codec
     # lets a worker redo that sum (a relayed pull); None when the value is anything else.

@@ -42,6 +42,11 @@ answered when all N workers made the same call (with equal optimizer arguments).
 
 When every worker of a job has said goodbye, the server forgets the job (keys, optimizer, mode)
 and serves the next one.
+
+With ``config.metrics`` (``KVSTORE_METRICS_PORT``) the server serves Prometheus metrics
+(:mod:`kvstore.metrics`): it counts each message and reply, each error and each round's
+duration; queue depths are read from its state when scraped. Without, ``self._metrics`` is None
+and each of those places costs one comparison.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import asyncio
 import logging
 import math
 import socket
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,6 +69,7 @@ from kvstore.codecs import codec_from_spec
 from kvstore.codecs.base import frame_array
 from kvstore.config import ServerConfig
 from kvstore.errors import CodecError, ErrorCode, OptimizerError, ProtocolError
+from kvstore.metrics import ServerMetrics, frames_nbytes
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
 from kvstore.server.chunk import ChunkSpec, ChunkState, Deferred, PendingReply, PullWaiter
 from kvstore.server.inline import InlineRunner
@@ -146,6 +153,7 @@ class ShardServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inline = InlineRunner(self._spawn)
         self._job = _Job()
+        self._metrics: ServerMetrics | None = None
         self.address: str | None = None
         self._handlers: dict[Op, Callable[[bytes, int, Message], None]] = {
             Op.INIT: self._on_init,
@@ -169,6 +177,9 @@ class ShardServer:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
         cfg = self.config
+        if cfg.metrics is not None:  # first: a failure leaves nothing to undo
+            self._metrics = ServerMetrics(cfg.metrics, cfg.server_rank)
+            self._metrics.watch_queues(self._queue_depths)
         try:
             if cfg.bind is not None:
                 sock.bind(cfg.bind)
@@ -182,6 +193,7 @@ class ShardServer:
                 self.address = f"tcp://{host}:{port}"
         except zmq.ZMQError as exc:
             sock.close(0)
+            self._close_metrics()
             raise OSError(
                 f"server {cfg.server_rank} cannot bind {cfg.host}:{cfg.port}: {exc}"
             ) from exc
@@ -217,6 +229,35 @@ class ShardServer:
         if self._own_context:
             self._context.term()
         self._sender.close()
+        self._close_metrics()
+
+    def _close_metrics(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the Prometheus endpoint while it serves (None without metrics)."""
+        return self._metrics.port if self._metrics is not None else None
+
+    def _queue_depths(self) -> dict[str, int]:
+        """Requests waiting, by :data:`kvstore.metrics.SERVER_QUEUES` name.
+
+        Runs on the metrics endpoint's thread while the loop thread changes the state, so it
+        only takes sizes, of a snapshot of the chunks (copied in one step, which the loop thread
+        cannot interleave with).
+        """
+        job = self._job
+        chunks = list(job.chunks.values())
+        return {
+            "round_pushes": sum(len(c.round_replies) for c in chunks),
+            "deferred_pushes": sum(len(c.deferred) for c in chunks),
+            "pull_waiters": sum(len(c.pull_waiters) for c in chunks),
+            "init_waiters": sum(len(c.init_waiters) for c in chunks),
+            "collective_waiters": len(job.barrier) + len(job.proposals),
+            "tasks": len(self._tasks),
+        }
 
     async def __aenter__(self) -> ShardServer:
         await self.start()
@@ -254,8 +295,9 @@ class ShardServer:
                 logger.exception("unexpected error handling a message from %s", _peer(identity))
         self._schedule_drain()
 
-    def _send(self, identity: bytes, frames: list[Any], track: bool = False) -> Any:
-        """Send a reply now; returns its SendTicket when ``track`` (None if not sent)."""
+    def _send(self, identity: bytes, frames: list[Any], op: Op | None, track: bool = False) -> Any:
+        """Send a reply to a request of ``op`` (None: one that failed validation) now; returns
+        its SendTicket when ``track`` (None if not sent)."""
         sock = self._socket
         if sock is None:
             return None
@@ -263,6 +305,8 @@ class ShardServer:
             ticket = self._sender.send_multipart(
                 sock, [identity, *frames], flags=zmq.NOBLOCK, track=track
             )
+            if self._metrics is not None:
+                self._metrics.sent(op, frames_nbytes(frames))
         except zmq.ZMQError as exc:  # the worker is gone (ROUTER_MANDATORY) or we are closing
             logger.debug("reply to %s not delivered: %s", _peer(identity), exc)
             ticket = None
@@ -271,7 +315,7 @@ class ShardServer:
         return ticket
 
     def _send_ack(self, reply: PendingReply, fields: dict[str, Any] | None = None) -> None:
-        self._send(reply.identity, wire.reply(reply.rid, fields))
+        self._send(reply.identity, wire.reply(reply.rid, fields), reply.op)
 
     def _send_value(self, reply: PendingReply, chunk: ChunkState, acks: list[int] = ()) -> None:
         assert chunk.value is not None
@@ -282,15 +326,22 @@ class ShardServer:
             # messages, so nothing needs tracking.
             fields["rl"] = len(relay)
             frames = [frame for payloads in relay for frame in payloads]
-            self._send(reply.identity, wire.reply(reply.rid, fields, frames))
+            self._send(reply.identity, wire.reply(reply.rid, fields, frames), reply.op)
             return
         current = chunk.value.current
-        send = self._send(reply.identity, wire.reply(reply.rid, fields, [current]), track=True)
+        send = self._send(
+            reply.identity, wire.reply(reply.rid, fields, [current]), reply.op, track=True
+        )
         if send is not None:
             chunk.value.track(send)
 
-    def _send_error(self, identity: bytes, rid: int, code: ErrorCode, message: str) -> None:
-        self._send(identity, wire.error(rid, code, message))
+    def _send_error(
+        self, identity: bytes, rid: int, op: Op | None, code: ErrorCode, message: str
+    ) -> None:
+        """Refuse request ``rid`` of ``op`` (None: it failed validation)."""
+        if self._metrics is not None:
+            self._metrics.error(code)
+        self._send(identity, wire.error(rid, code, message), op)
 
     def _answer(self, reply: PendingReply, chunk: ChunkState) -> None:
         if reply.want_value:
@@ -321,11 +372,15 @@ class ShardServer:
         try:
             msg = wire.decode(frames)
         except ProtocolError as exc:
+            if self._metrics is not None:
+                self._metrics.received(None, frames_nbytes(frames))
             logger.warning("bad message from %s: %s", _peer(identity), exc)
             self._send_error(
-                identity, wire.peek_request_id(frames), ErrorCode.BAD_MESSAGE, str(exc)
+                identity, wire.peek_request_id(frames), None, ErrorCode.BAD_MESSAGE, str(exc)
             )
             return
+        if self._metrics is not None:
+            self._metrics.received(msg.op, frames_nbytes(frames))
         try:
             if msg.op is Op.HELLO:
                 self._on_hello(identity, msg)
@@ -344,14 +399,16 @@ class ShardServer:
             logger.warning(
                 "refused %s (id %d) from %s: %s", msg.op.name, msg.rid, _peer(identity), exc
             )
-            self._send_error(identity, msg.rid, exc.code, str(exc))
+            self._send_error(identity, msg.rid, msg.op, exc.code, str(exc))
         except (CodecError, OptimizerError) as exc:
             code = ErrorCode.CODEC if isinstance(exc, CodecError) else ErrorCode.OPTIMIZER
             logger.warning("refused %s from %s: %s", msg.op.name, _peer(identity), exc)
-            self._send_error(identity, msg.rid, code, str(exc))
+            self._send_error(identity, msg.rid, msg.op, code, str(exc))
         except Exception as exc:
             logger.exception("internal error on %s from %s", msg.op.name, _peer(identity))
-            self._send_error(identity, msg.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            self._send_error(
+                identity, msg.rid, msg.op, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+            )
 
     # sessions ---------------------------------------------------------------------------------
 
@@ -405,13 +462,13 @@ class ShardServer:
         job.lanes[identity] = lane
         job.ranks[(rank, lane)] = identity
         logger.debug("worker rank %d connected (%s, %s)", rank, _peer(identity), mode)
-        self._send(identity, wire.reply(msg.rid, {"sr": cfg.server_rank}))
+        self._send(identity, wire.reply(msg.rid, {"sr": cfg.server_rank}), Op.HELLO)
 
     def _on_bye(self, identity: bytes, rank: int, msg: Message) -> None:
         job = self._job
         job.sessions.pop(identity, None)
         job.ranks.pop((rank, job.lanes.pop(identity, 0)), None)
-        self._send(identity, wire.reply(msg.rid))
+        self._send(identity, wire.reply(msg.rid), Op.BYE)
         logger.debug("worker rank %d left", rank)
         if not job.sessions:
             logger.debug("all workers left; the server is ready for a new job")
@@ -454,7 +511,7 @@ class ShardServer:
                 ErrorCode.DUPLICATE_INIT,
                 f"rank {rank} initialised {spec.name} twice; call kv.init once per key",
             )
-        reply = PendingReply(identity, msg.rid, rank, False)
+        reply = PendingReply(identity, msg.rid, rank, False, Op.INIT)
         if rank == 0:
             if len(msg.payloads) != 1:
                 raise RequestError(ErrorCode.BAD_VALUE, "rank 0's INIT must carry the value")
@@ -476,7 +533,7 @@ class ShardServer:
                 if other_spec != spec:
                     del chunk.declared[other.rank]
                     self._send_error(
-                        other.identity, other.rid, ErrorCode.SPEC_MISMATCH,
+                        other.identity, other.rid, Op.INIT, ErrorCode.SPEC_MISMATCH,
                         self._mismatch(other.rank, other_spec, spec),
                     )  # fmt: skip
                 else:
@@ -535,7 +592,8 @@ class ShardServer:
                 "dist_async applies every push on arrival and needs an optimizer: "
                 "call kv.set_optimizer(...) on every worker before pushing",
             )
-        reply = PendingReply(identity, msg.rid, rank, msg.op is Op.PUSHPULL, msg.get("rx", 0))
+        want_value = msg.op is Op.PUSHPULL
+        reply = PendingReply(identity, msg.rid, rank, want_value, msg.op, msg.get("rx", 0))
         if job.mode == "dist_async":
             self._inline.submit(self._push_async(chunk, reply, msg.payloads))
         else:
@@ -547,6 +605,8 @@ class ShardServer:
         if rank in chunk.round_ranks or any(d.reply.rank == rank for d in chunk.deferred):
             chunk.deferred.append(push)
             return
+        if self._metrics is not None and not chunk.round_ranks:
+            chunk.round_started = time.perf_counter()  # the round's first push
         chunk.round_ranks.add(rank)
         chunk.round_replies.append(push.reply)
         self._inline.submit(self._accumulate(chunk, push.payloads))
@@ -567,7 +627,7 @@ class ShardServer:
 
     async def _complete_round(self, chunk: ChunkState) -> None:
         replies, error = chunk.round_replies, chunk.round_error
-        summed = chunk.round_payloads
+        summed, started = chunk.round_payloads, chunk.round_started
         chunk.round_ranks, chunk.round_replies, chunk.round_payloads = set(), [], []
         chunk.round_error, chunk.accumulated = None, 0
         intermediate = None
@@ -591,10 +651,14 @@ class ShardServer:
         if error is None and intermediate is not None:
             for reply in replies:
                 chunk.applied[reply.rank] += 1
-                self._send(reply.identity, wire.reply(reply.rid, None, intermediate))
+                self._send(reply.identity, wire.reply(reply.rid, None, intermediate), reply.op)
             self._release_pulls(chunk)
         else:
             self._pushes_done(chunk, replies, error)
+        if self._metrics is not None:
+            # (``started`` was read above: a push admitted while this awaited the pool began
+            # the next round and its clock.)
+            self._metrics.round_done(time.perf_counter() - started)
         deferred, chunk.deferred = chunk.deferred, type(chunk.deferred)()
         for push in deferred:
             self._admit(chunk, push)
@@ -649,13 +713,13 @@ class ShardServer:
         code = error.code if isinstance(error, RequestError) else ErrorCode.INTERNAL
         if not isinstance(error, RequestError):
             logger.error("update of %s failed: %r", chunk.spec.name, error)
-        self._send_error(reply.identity, reply.rid, code, f"{chunk.spec.name}: {error}")
+        self._send_error(reply.identity, reply.rid, reply.op, code, f"{chunk.spec.name}: {error}")
 
     # pull --------------------------------------------------------------------------------------
 
     def _on_pull(self, identity: bytes, rank: int, msg: Message) -> None:
         chunk = self._ready_chunk(rank, msg)
-        reply = PendingReply(identity, msg.rid, rank, True, msg.get("rx", 0))
+        reply = PendingReply(identity, msg.rid, rank, True, Op.PULL, msg.get("rx", 0))
         if chunk.applied[rank] >= msg["af"]:
             self._send_value(reply, chunk)
         else:
@@ -707,7 +771,7 @@ class ShardServer:
         job = self._job
         if rank in job.barrier:
             raise RequestError(ErrorCode.BAD_VALUE, f"rank {rank} is already in the barrier")
-        job.barrier[rank] = PendingReply(identity, msg.rid, rank, False)
+        job.barrier[rank] = PendingReply(identity, msg.rid, rank, False, Op.BARRIER)
         if len(job.barrier) == self.config.num_workers:
             arrived, job.barrier = job.barrier, {}
             for reply in arrived.values():
@@ -727,7 +791,8 @@ class ShardServer:
                     f"rank {rank} asked for optimizer {spec!r} but rank {other_rank} asked for "
                     f"{other!r}: every worker must call set_optimizer with the same arguments",
                 )
-        job.proposals[rank] = (spec, PendingReply(identity, msg.rid, rank, False))
+        reply = PendingReply(identity, msg.rid, rank, False, Op.SET_OPTIMIZER)
+        job.proposals[rank] = (spec, reply)
         if len(job.proposals) < self.config.num_workers:
             return
         proposals, job.proposals = job.proposals, {}

@@ -12,6 +12,11 @@ were applied (in ``dist_sync``: after the whole round), so ``push`` followed by 
 the round's result even though pulls travel on a connection of their own. Errors of a
 push are raised by the next call that waits on it: a later push or pull of the same key,
 ``barrier`` or ``close``.
+
+With ``KVSTORE_METRICS_PORT`` (``options.metrics``) the store serves Prometheus metrics
+(:mod:`kvstore.metrics`) until it closes: the transport counts the traffic, and on one push of a
+key in ``KVSTORE_METRICS_EVERY`` the encoders measure the key's residual norm and the density
+sent (:meth:`~kvstore.codecs.Encoder.quality`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import numpy as np
 
 from kvstore._malloc import tune_malloc
 from kvstore.codecs import Codec, Encoder, codec_from_spec
-from kvstore.codecs.base import frame_array
+from kvstore.codecs.base import PushQuality, frame_array
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.config import ClusterConfig, WorkerOptions
 from kvstore.errors import (
@@ -44,6 +49,7 @@ from kvstore.errors import (
     UsageError,
     ValueMismatchError,
 )
+from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
 from kvstore.topology import Chunk, Key, interleaved_order, partition_elems_for, plan_chunks
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Op, buffer_nbytes
@@ -293,15 +299,29 @@ class KVStore:
         self._on_close = on_close
         tune_malloc()  # ZeroMQ's receive buffers get reused instead of page-faulted back
         identity = f"w{cluster.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
-        self._transport = Transport(
-            cluster.servers,
-            identity,
-            context,
-            window_bytes=2 * self._options.partition_bytes,
-            lead_chunks=self._options.push_lead,
-            tos=self._options.push_tos,
-            queue_seconds=self._options.send_queue_ms / 1000,
-        )
+        metrics_config = self._options.metrics
+        self._metrics: WorkerMetrics | None = None
+        if metrics_config is not None:  # before the transport, which counts into it
+            self._metrics = WorkerMetrics(metrics_config, cluster.rank, cluster.num_servers)
+        try:
+            self._transport = Transport(
+                cluster.servers,
+                identity,
+                context,
+                window_bytes=2 * self._options.partition_bytes,
+                lead_chunks=self._options.push_lead,
+                tos=self._options.push_tos,
+                queue_seconds=self._options.send_queue_ms / 1000,
+                metrics=self._metrics,
+            )
+        except BaseException:
+            self._close_metrics()
+            raise
+        if self._metrics is not None:
+            stats = self._stats
+            self._metrics.watch(
+                lambda: (stats.pushed_bytes, stats.pushed_raw_bytes), self._transport.queue_depths
+            )
         try:
             self._handshake()
         except BaseException:
@@ -344,9 +364,15 @@ class KVStore:
         try:
             self._transport.close()
         finally:
+            self._close_metrics()
             if self._on_close is not None:
                 on_close, self._on_close = self._on_close, None
                 on_close()
+
+    def _close_metrics(self) -> None:
+        if self._metrics is not None:
+            metrics, self._metrics = self._metrics, None
+            metrics.close()
 
     def close(self) -> None:
         """Wait for this worker's pushes to finish, say goodbye to the servers, release sockets.
@@ -581,6 +607,10 @@ class KVStore:
         they are (dense host values) are sent from ``value``'s memory, not copied."""
         source = vals.flat_source(value)
         requests: list[Any] = [None] * len(state.chunks)  # every slot filled below
+        metrics = self._metrics
+        measured: list[PushQuality | None] | None = None
+        if metrics is not None and metrics.measure(state.pushes_sent[0]):
+            measured = []
         with vals.device_stream(value):
             for chunk in state.send_order:
                 self._wait_push(state, chunk.index)
@@ -589,6 +619,8 @@ class KVStore:
                 payloads = encoder.borrow(values) if borrow else None
                 if payloads is None:
                     payloads = encoder.encode(values)
+                if measured is not None:
+                    measured.append(encoder.quality(values))
                 fields = {"k": state.key, "c": chunk.index, "n": chunk.numel}
                 if op is Op.PUSHPULL:
                     fields.update(state.relay_offer(chunk))
@@ -610,6 +642,14 @@ class KVStore:
                 self._stats.pushed_bytes += request.nbytes
                 self._stats.pushed_raw_bytes += chunk.numel * np.dtype(state.dtype).itemsize
                 self._stats.push_messages += 1
+        if measured and metrics is not None and all(q is not None for q in measured):
+            metrics.key_quality(
+                state.key,
+                sum(q.gradient_sq for q in measured),
+                sum(q.residual_sq for q in measured),
+                sum(q.sent_nonzero for q in measured),
+                state.numel,
+            )
         return requests
 
     def _require_optimizer_for_async(self) -> None:
@@ -824,6 +864,13 @@ class KVStore:
         return TrafficStats(
             s.pushed_bytes, s.pushed_raw_bytes, s.pulled_bytes, s.push_messages, s.pull_messages
         )
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of this worker's Prometheus endpoint until the store closes (None without
+        ``KVSTORE_METRICS_PORT``)."""
+        metrics = self._metrics
+        return metrics.port if metrics is not None else None
 
     @property
     def optimizer(self) -> OptimizerSpec | None:

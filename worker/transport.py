@@ -33,6 +33,10 @@ re-encoded before its previous push was answered).
 A TCP server that closes its connection (it died, or was stopped) fails every request pending on
 it with :class:`~kvstore.errors.ConnectionLostError`, and later requests to it fail at once, so a
 dead server never leaves a worker hanging.
+
+With ``metrics`` (:class:`~kvstore.metrics.WorkerMetrics`) the I/O thread counts every request
+it hands to ZeroMQ, every reply and every ERROR reply; :meth:`Transport.queue_depths` is read
+when the metrics are scraped.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from kvstore.errors import (
     ProtocolError,
     error_from_code,
 )
+from kvstore.metrics import WorkerMetrics, frames_nbytes
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op
 from kvstore.worker.send_queue import SendQueue
 from kvstore.worker.send_window import SendWindow
@@ -321,6 +326,7 @@ class Transport:
         queue_seconds: size the window to this much of the send rate measured while it was
             full, and limit the kernel's unsent bytes per data connection to another host
             (0: a fixed ``window_bytes``, kernel buffers as the system sets them).
+        metrics: where to count requests, replies and errors (None: nowhere).
     """
 
     def __init__(
@@ -333,8 +339,10 @@ class Transport:
         lead_chunks: int = LEAD_CHUNKS,
         tos: int = 0,
         queue_seconds: float = 0.0,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.servers = tuple(servers)
+        self._metrics = metrics
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
         self._ids = itertools.count(1)
@@ -436,6 +444,14 @@ class Transport:
         if lost is not None:
             request._complete(None, ConnectionLostError(f"{request.what}: {lost}"))
         return request
+
+    def queue_depths(self) -> dict[str, int]:
+        """Requests waiting, by :data:`kvstore.metrics.WORKER_QUEUES` name (any thread)."""
+        with self._lock:
+            return {
+                "outstanding": len(self._pending),
+                "unsent": sum(len(lane.queue) for lane in self._all_lanes),
+            }
 
     def _wake(self) -> None:
         if not self._wake_pending:
@@ -589,6 +605,8 @@ class Transport:
             except zmq.ZMQError as exc:
                 self._fail(request, ConnectionLostError(f"{request.what}: send failed: {exc}"))
                 continue
+            if self._metrics is not None:
+                self._metrics.sent(request.op, request.nbytes)
             if track:
                 lane.in_flight.append((ticket, bulk))
                 self._in_flight_bytes += bulk
@@ -615,9 +633,12 @@ class Transport:
 
     def _on_reply(self, frames: list[Any]) -> None:
         """Complete the request that the received message ``frames`` answers."""
+        metrics = self._metrics
         try:
             msg = wire.decode(frames)
         except ProtocolError as exc:
+            if metrics is not None:
+                metrics.received(None, frames_nbytes(frames))
             rid = wire.peek_request_id(frames)
             logger.error("malformed reply (request %d): %s", rid, exc)
             with self._lock:
@@ -635,6 +656,10 @@ class Transport:
                         acknowledged.append(push)
         for push in acknowledged:
             push._complete(_ACKNOWLEDGED, None)
+        if metrics is not None:
+            metrics.received(request.op if request is not None else None, frames_nbytes(frames))
+            if msg.op is Op.ERROR:
+                metrics.remote_error(msg["code"])
         if request is None:
             logger.debug("reply to unknown request %d ignored", msg.rid)
             return

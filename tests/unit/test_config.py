@@ -11,11 +11,13 @@ from kvstore.config import (
     DEFAULT_PUSH_TOS,
     ENV_VARS,
     ClusterConfig,
+    MetricsConfig,
     ServerConfig,
     WorkerOptions,
     cpu_kernels_from_env,
     default_push_lead,
     default_push_tos,
+    metrics_config_from_env,
     server_threads_from_env,
 )
 from kvstore.errors import ConfigError
@@ -141,3 +143,83 @@ def test_push_tos_setting():
         WorkerOptions.from_env({"KVSTORE_PUSH_TOS": "low"})
     with pytest.raises(ValueError, match="push_tos must be a TOS byte"):
         WorkerOptions(push_tos=-1)
+
+
+def test_metrics_settings():
+    assert metrics_config_from_env({}) is None  # no endpoint unless the port is set
+    assert WorkerOptions.from_env({}).metrics is None
+    assert metrics_config_from_env({"KVSTORE_METRICS_PORT": "9100"}) == MetricsConfig(
+        port=9100, addr="127.0.0.1", every=10
+    )
+    assert metrics_config_from_env({"KVSTORE_METRICS_PORT": " 0 "}) == MetricsConfig(port=0)
+    env = {
+        "KVSTORE_METRICS_PORT": "9100",
+        "KVSTORE_METRICS_ADDR": "0.0.0.0",
+        "KVSTORE_METRICS_EVERY": "3",
+    }
+    assert WorkerOptions.from_env(env).metrics == MetricsConfig(9100, "0.0.0.0", 3)
+    assert WorkerOptions.from_env(env).for_job(8).metrics == MetricsConfig(9100, "0.0.0.0", 3)
+    for addr in ("::", "::1", "10.1.2.3", "localhost", "node-7.cluster.example"):
+        config = metrics_config_from_env(
+            {"KVSTORE_METRICS_PORT": "1", "KVSTORE_METRICS_ADDR": addr}
+        )
+        assert config is not None and config.addr == addr
+
+
+@pytest.mark.parametrize(
+    "name, raw, match",
+    [
+        ("KVSTORE_METRICS_PORT", "http", "KVSTORE_METRICS_PORT='http' is not an integer"),
+        ("KVSTORE_METRICS_PORT", "-1", "KVSTORE_METRICS_PORT='-1' must be >= 0"),
+        ("KVSTORE_METRICS_PORT", "65536", "KVSTORE_METRICS_PORT='65536' must be <= 65535"),
+        ("KVSTORE_METRICS_ADDR", "tcp://0.0.0.0", "KVSTORE_METRICS_ADDR='tcp://0.0.0.0' is not"),
+        ("KVSTORE_METRICS_ADDR", "127.0.0.1:9100", "KVSTORE_METRICS_ADDR='127.0.0.1:9100' is not"),
+        ("KVSTORE_METRICS_ADDR", "a b", "KVSTORE_METRICS_ADDR='a b' is not a host name"),
+        ("KVSTORE_METRICS_EVERY", "0", "KVSTORE_METRICS_EVERY='0' must be >= 1"),
+        ("KVSTORE_METRICS_EVERY", "often", "KVSTORE_METRICS_EVERY='often' is not an integer"),
+    ],
+)
+def test_malformed_metrics_settings_name_the_variable(name, raw, match):
+    env = {"KVSTORE_METRICS_PORT": "9100", name: raw}
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        metrics_config_from_env(env)
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        WorkerOptions.from_env(env)  # what kvstore.create reads
+
+
+def test_metrics_settings_are_checked_even_without_the_port():
+    # A typo surfaces at once, not on the day the port is set.
+    with pytest.raises(ConfigError, match="KVSTORE_METRICS_EVERY"):
+        metrics_config_from_env({"KVSTORE_METRICS_EVERY": "0"})
+    with pytest.raises(ConfigError, match="metrics every must be >= 1"):
+        MetricsConfig(every=0)
+    with pytest.raises(ConfigError, match="out of range"):
+        MetricsConfig(port=70000)
+
+
+def test_metrics_port_rule():
+    from kvstore.metrics import endpoint_port  # noqa: PLC0415  (imports no prometheus_client)
+
+    config = MetricsConfig(port=9100)
+    # 2 servers, 3 workers: servers on P + I, workers on P + S + R.
+    assert [endpoint_port(config, i, f"server {i}") for i in range(2)] == [9100, 9101]
+    assert [endpoint_port(config, 2 + r, f"worker {r}") for r in range(3)] == [9102, 9103, 9104]
+    assert endpoint_port(MetricsConfig(port=0), 5, "worker 3") == 0  # each picks a free port
+    with pytest.raises(ConfigError, match=r"KVSTORE_METRICS_PORT=65535: worker 1 would .* 65537"):
+        endpoint_port(MetricsConfig(port=65535), 2, "worker 1")
+
+
+def test_metrics_without_prometheus_client_name_the_variable_and_the_extra(monkeypatch):
+    import sys  # noqa: PLC0415
+
+    from kvstore.metrics import ServerMetrics, WorkerMetrics  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails as if missing
+    hint = re.escape(
+        "KVSTORE_METRICS_PORT is set but prometheus_client is not installed: "
+        'pip install "pskv[metrics]"'
+    )
+    with pytest.raises(ConfigError, match=hint):
+        WorkerMetrics(MetricsConfig(), 0, 1)
+    with pytest.raises(ConfigError, match=hint):
+        ServerMetrics(MetricsConfig(), 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,12 @@ def test_base_modules_depend_only_on_errors():
         assert _internal_imports(REPO / f"kvstore/{module}.py") <= {"kvstore.errors"}
 
 
+def test_metrics_depends_on_the_base_modules_only():
+    # It defines metric families and an endpoint; the server and the worker count into it.
+    allowed = {"kvstore.errors", "kvstore.config", "kvstore.wire"}
+    assert _internal_imports(REPO / "kvstore/metrics.py") <= allowed
+
+
 def test_codecs_depend_on_the_base_only():
     allowed = ("kvstore.errors", "kvstore.config", "kvstore.wire", "kvstore.codecs")
     for path, imports in _imports_of("codecs").items():
@@ -77,5 +84,25 @@ def test_server_imports_without_cupy_or_torch():
         "print('ok')"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_prometheus_client_is_imported_only_when_metrics_are_on():
+    # Everything imports (and runs) with prometheus_client missing, and nothing imports it.
+    code = (
+        "import sys\n"
+        "import kvstore, kvstore.metrics, kvstore.server, kvstore.server.__main__\n"
+        "import kvstore.worker.client, kvstore.worker.transport\n"
+        "assert 'prometheus_client' not in sys.modules, 'imported at module import'\n"
+        "sys.modules['prometheus_client'] = None\n"
+        "import numpy as np\n"
+        "with kvstore.create('local') as kv:\n"
+        "    kv.init('w', np.zeros(4, np.float32))\n"
+        "    kv.push('w', np.ones(4, np.float32))\n"
+        "print('ok')"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_METRICS")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
