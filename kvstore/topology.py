@@ -1,6 +1,6 @@
 """Topology: which server holds which part of a key. Pure functions, no sockets.
 
-Rules (DESIGN.md, "Sharding"):
+Rules (docs/design.md, "Sharding"):
 
 * A key with fewer than ``bigarray_bound`` elements lives whole on one server, chosen by
   :func:`stable_key_hash` modulo the number of servers. The hash is the same on every worker, every
@@ -32,7 +32,7 @@ Rules (DESIGN.md, "Sharding"):
   first round of a step complete at 35.5 ms (median) and the step take 376 ms against a floor
   of 320. (A round completes when the slowest worker's push of its chunk arrives; where TCP
   shares a server's link unevenly among many workers, rounds complete in bursts and the
-  outgoing link waits between them: see the README's cluster results.)
+  outgoing link waits between them: see docs/performance.md, shaped-link cluster.)
 * No chunk is shorter than :func:`min_chunk_elems` (a quarter partition, 1 MiB of fp32 by
   default; an eighth in a long slice) unless its slice is. Every chunk costs a fixed amount of
   CPU on the worker and the server, whatever its size (two requests, their replies, a round's
@@ -41,7 +41,7 @@ Rules (DESIGN.md, "Sharding"):
   floor where many workers share a server's link and CPU is spare (a smaller
   ``partition_elems`` gives one), but on the 2-core development machine at 1 Gbit/s more and
   shorter chunks than these cost more CPU than they gained, except in long slices (see
-  :data:`LONG_SLICE_PARTS`; README, cluster results). With the minimum, a model's many small
+  :data:`LONG_SLICE_PARTS`; docs/performance.md). With the minimum, a model's many small
   and middle-sized tensors are one or a few chunks each (ResNet-50's 161 tensors: 228 chunks
   on one server, not 633), and keys pushed one after another overlap with each other instead.
 
@@ -235,7 +235,7 @@ def slice_chunking(
     1.245 -> 1.187, 1.236, 1.21, 1.206, 1.168; 8 workers separate 1.259, 1.254, 1.252, 1.263,
     1.253 -> 1.20, 1.322, 1.167, 1.219, 1.179; 8 co-located 1.133, 1.138 -> 1.073, 1.072;
     4 co-located 1.055, 1.063 -> 1.053, 1.064. With 1 or 2 workers these slices were long by
-    an earlier rule and gained as much (README, cluster results). Counting the slice alone
+    an earlier rule and gained as much (docs/performance.md). Counting the slice alone
     would have made them long only for their size: a ResNet-50 tensor of 2.36M elements whole
     on one server, cut finer by such a rule (long from 2 partitions), lost 1.036-1.042x ->
     1.054-1.069x with 4 workers co-located with the server.
