@@ -671,7 +671,7 @@ class KVStore:
         :meth:`close`). The usual loop (backward, push, pull, the next backward writes the
         gradients again) keeps that by itself, and each step then saves a copy of every
         gradient, made just when the servers need the cores for the round's first chunks
-        (the README measures it). GPU values and compressed pushes are encoded as usual.
+        (docs/performance.md measures it). GPU values and compressed pushes are encoded as usual.
 
         In ``dist_sync``, once a key's push was followed by a pull, its later pushes also ask
         the servers for the round's value (a pushpull whose reply the client keeps until the
