@@ -1,24 +1,40 @@
-"""The README's main job: MNIST with 2-bit compression under kvstore-launch, and uncompressed."""
+"""The README's main job: MNIST with 2-bit compression under kvstore-launch, and uncompressed;
+its plot, and its progress bars (on a terminal only)."""
 
 from __future__ import annotations
 
+import fcntl
+import importlib.util
+import os
+import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
+from pathlib import Path
 
 import pytest
 from kvtest import REPO
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TRAIN = REPO / "examples/mnist/train.py"
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _require_example_dependencies() -> None:
+    for module in ("torch", "mlxtend", "tqdm"):
+        pytest.importorskip(module)
 
 
 def _train(*args: str) -> tuple[list[tuple[str, ...]], list[tuple[str, str]], str]:
     """Run the example on 2 workers x 2 servers; worker 0's epoch lines (epoch, loss, test
-    accuracy, compression), every rank's final line (rank, accuracy), and the output."""
-    pytest.importorskip("torch")
-    pytest.importorskip("mlxtend")
+    accuracy, compression), every rank's final line (rank, accuracy), and the output (stdout,
+    then stderr: the launcher forwards each child's streams to its own)."""
+    _require_example_dependencies()
     command = [sys.executable, "-m", "kvstore.deploy", "-n", "2", "-s", "2", "--"]
-    command += [sys.executable, str(REPO / "examples/mnist/train.py"), *args]
+    command += [sys.executable, str(TRAIN), *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     epochs = re.findall(
@@ -26,7 +42,7 @@ def _train(*args: str) -> tuple[list[tuple[str, ...]], list[tuple[str, str]], st
         result.stdout,
     )
     done = re.findall(r"rank (\d) done: test accuracy ([\d.]+)%", result.stdout)
-    return epochs, done, result.stdout
+    return epochs, done, result.stdout + result.stderr
 
 
 def test_mnist_example_trains_with_2bit_compression():
@@ -50,3 +66,107 @@ def test_mnist_example_trains_uncompressed_from_borrowed_gradients():
     assert all(0.95 < float(e[3]) < 1.05 for e in epochs)  # dense: no compression
     assert sorted(r for r, _ in done) == ["0", "1"]
     assert len({acc for _, acc in done}) == 1
+
+
+# A tqdm bar: "epoch 1:  53%|█████▎    | 8/15 [00:00<00:00, 77.90step/s, loss=2.3061]".
+_BAR = re.compile(r"\d+/\d+ \[[^\]]*step/s")
+
+
+def test_mnist_example_plots_and_keeps_piped_output_free_of_progress_bars(tmp_path):
+    plot = tmp_path / "mnist.png"
+    epochs, done, output = _train("--epochs", "2", "--batch-size", "128", "--plot", str(plot))
+    assert [int(e[0]) for e in epochs] == [1, 2], output
+    assert sorted(r for r, _ in done) == ["0", "1"]
+    # worker 0 plots, after training, and worker 1 does not
+    assert f"[worker 0] rank 0 wrote {plot}" in output and "rank 1 wrote" not in output
+    # a whole PNG: the signature, the IHDR chunk first, the IEND chunk (and its CRC) last
+    data = plot.read_bytes()
+    assert len(data) > 1000 and data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    assert data.endswith(b"IEND\xaeB`\x82"), "the PNG was cut short"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > height > 0  # two panels side by side
+    # The launcher reads every child's output from pipes: no bar, no carriage return.
+    assert not _BAR.search(output) and "\r" not in output, output
+
+
+def _run_on_a_terminal(args: list[str], cwd: Path) -> str:
+    """Run the example alone (``local`` mode) with stdout and stderr on a pseudo-terminal of
+    100 columns; everything it wrote there."""
+    primary, secondary = pty.openpty()
+    # A terminal of 0 columns (the default of a new one) gets tqdm bars of nothing.
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    try:
+        process = subprocess.Popen(
+            [sys.executable, str(TRAIN), *args],
+            stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary, cwd=cwd, env=env,
+        )  # fmt: skip
+    finally:
+        os.close(secondary)  # the child holds it now: reads end when the child is gone
+    chunks = []
+    try:
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert process.wait(timeout=600) == 0, b"".join(chunks).decode(errors="replace")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(primary)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_mnist_example_shows_progress_bars_on_a_terminal(tmp_path):
+    _require_example_dependencies()
+    output = _run_on_a_terminal(["--epochs", "2", "--batch-size", "256"], tmp_path)  # 15 steps
+    lines = re.findall(r"epoch (\d): loss [\d.]+  test accuracy", output)
+    assert lines == ["1", "2"], output  # the printed lines are there, as without bars
+    # one bar per epoch, counting that epoch's steps (tqdm redraws it as it goes)
+    assert _BAR.search(output) and "/15 [" in output, output
+    assert re.search(r"epoch 1: +\d+%\|", output) and re.search(r"epoch 2: +\d+%\|", output)
+
+
+class _Stream:
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> int:  # whatever the example prints goes nowhere
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("flags", "rank", "stdout_tty", "stderr_tty", "shown"),
+    [
+        ([], 0, True, True, True),
+        (["--no-progress"], 0, True, True, False),
+        ([], 1, True, True, False),  # one bar per job: worker 0's
+        ([], 0, False, True, False),  # stdout to a file or pipe: its log stays readable
+        ([], 0, True, False, False),  # the bar's own stream redirected
+    ],
+    ids=["terminal", "no-progress", "worker-1", "stdout-piped", "stderr-piped"],
+)
+def test_mnist_example_draws_bars_for_worker_0_on_a_terminal_only(
+    monkeypatch, flags, rank, stdout_tty, stderr_tty, shown
+):
+    """Who decides to draw (the run above shows the drawing): cheaper than a process each."""
+    _require_example_dependencies()
+    spec = importlib.util.spec_from_file_location("mnist_train", TRAIN)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)  # defines the functions; main() runs only as a script
+    monkeypatch.setattr(sys, "argv", [str(TRAIN), *flags])
+    args = train.parse_args()
+    monkeypatch.setattr(sys, "stdout", _Stream(stdout_tty))
+    monkeypatch.setattr(sys, "stderr", _Stream(stderr_tty))
+    assert train.show_progress(args, rank) is shown

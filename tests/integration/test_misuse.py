@@ -1,4 +1,5 @@
-"""Every misuse in DESIGN.md raises a clear exception: never a hang, never a dead server."""
+"""Every misuse listed in docs/design.md ("Client API and semantics") raises a clear exception:
+never a hang, never a dead server."""
 
 from __future__ import annotations
 
@@ -127,11 +128,25 @@ def test_mixed_modes_across_workers(servers_factory):
 
 
 def test_workers_that_disagree_on_init_or_optimizer(servers_factory):
+    import threading
+
     addresses = servers_factory(1, 2)
+    # Both workers are in the job before either calls, and rank 0 stays until rank 1's init
+    # was answered: a server whose last worker left forgets the job, so a rank 1 that came
+    # late (a loaded machine) would join a new one and wait for a rank 0 that never inits.
+    connected = threading.Barrier(2, timeout=60)  # the timeouts are hang guards
+    rank1_answered = threading.Event()
 
     def init(rank):
         with connect(addresses, rank, 2) as kv:
-            kv.init("w", np.zeros(4 if rank == 0 else 5, np.float32))
+            connected.wait()
+            try:
+                kv.init("w", np.zeros(4 if rank == 0 else 5, np.float32))
+            finally:
+                if rank == 1:
+                    rank1_answered.set()
+            if rank == 0:
+                assert rank1_answered.wait(timeout=60)
 
     outcomes = run_ranks_outcomes(2, init)
     assert outcomes[0] is None
@@ -139,8 +154,13 @@ def test_workers_that_disagree_on_init_or_optimizer(servers_factory):
     assert "rank 1 declared shape (5,)" in str(outcomes[1])
     assert "rank 0 declared shape (4,)" in str(outcomes[1])
 
+    connected.reset()
+
     def optimizer(rank):
+        # The first to call waits for the other's arguments (until its timeout); the second
+        # gets the error at once.
         with connect(addresses, rank, 2, timeout=5) as kv:
+            connected.wait()
             kv.set_optimizer("sgd", learning_rate=0.1 * (rank + 1))
 
     outcomes = run_ranks_outcomes(2, optimizer)
@@ -184,10 +204,18 @@ def test_no_server_at_the_address_fails_instead_of_hanging():
 
 
 def test_a_worker_that_never_pushes_gives_a_timeout_not_a_hang(servers_factory):
+    import threading
+
     addresses = servers_factory(1, 2)
+    # Both workers are in the job before either calls: a rank 1 that came after rank 0 gave
+    # up and left (a loaded machine) would join a new job and wait for rank 0's init.
+    connected = threading.Barrier(2, timeout=60)  # a hang guard
 
     def worker(rank):
-        kv = connect(addresses, rank, 2, timeout=1.5)
+        # Only rank 0's calls are to time out; rank 1's init waits for rank 0's, which may take
+        # a while on a loaded machine, so it waits as long as any other test's.
+        kv = connect(addresses, rank, 2, timeout=1.5) if rank == 0 else connect(addresses, rank, 2)
+        connected.wait()
         kv.init("w", np.zeros(2, np.float32))
         if rank == 1:
             kv.close()  # leaves without pushing: rank 0's round can never complete
@@ -205,22 +233,21 @@ def test_a_worker_that_never_pushes_gives_a_timeout_not_a_hang(servers_factory):
 
 def test_a_dead_server_fails_requests_instead_of_hanging():
     import signal
-    import time
 
     import kvtest
 
     servers = kvtest.start_servers(1, 1)
     try:
+        # Waiting would end in KVStoreTimeoutError after this long; the lost connection must
+        # be reported as such instead (what is raised is the test, not how soon).
         kv = connect([servers[0].address], timeout=60)
         kv.init("w", np.zeros(2, np.float32))
         servers[0].process.send_signal(signal.SIGKILL)
         servers[0].process.wait()
-        start = time.monotonic()
         with pytest.raises(kvstore.ConnectionLostError, match="server 0 .* closed the connection"):
             kv.pull("w", out=np.empty(2, np.float32))
         with pytest.raises(kvstore.ConnectionLostError):
             kv.push("w", np.ones(2, np.float32))
         kv.close()
-        assert time.monotonic() - start < 10
     finally:
         kvtest.stop_processes([s.process for s in servers])

@@ -34,13 +34,23 @@ def router():
     context.term()
 
 
-def receive_pushes(sock: zmq.Socket, seconds: float) -> list[tuple[bytes, wire.Message]]:
-    """Every PUSH that arrives within ``seconds``, with the identity of its connection."""
+HANG_GUARD_S = 60.0
+"""How long a push that must come may take: far above the milliseconds it takes, even on a
+loaded machine, so only a push that never comes fails the test."""
+
+QUIET_S = 0.5
+"""How long a push that must not come is watched for. A shorter look only weakens the check (a
+push sent late would be missed), it cannot fail a correct transport; the patience is set far
+above it where that matters."""
+
+
+def receive_pushes(sock: zmq.Socket, count: int) -> list[tuple[bytes, wire.Message]]:
+    """The next ``count`` PUSHes to arrive, with the identity of their connection."""
     got = []
-    deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
-        if not sock.poll(int(left * 1000) + 1):
-            break
+    deadline = time.monotonic() + HANG_GUARD_S
+    while len(got) < count:
+        left = deadline - time.monotonic()
+        assert left > 0 and sock.poll(int(left * 1000) + 1), f"only {len(got)} of {count} came"
         identity, *frames = sock.recv_multipart()
         message = wire.decode(frames)
         if message.op is Op.PUSH:
@@ -48,39 +58,79 @@ def receive_pushes(sock: zmq.Socket, seconds: float) -> list[tuple[bytes, wire.M
     return got
 
 
+def assert_no_push_comes(sock: zmq.Socket) -> None:
+    """Nothing but non-PUSH messages arrives for :data:`QUIET_S`."""
+    deadline = time.monotonic() + QUIET_S
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(int(left * 1000) + 1):
+            return
+        _identity, *frames = sock.recv_multipart()
+        message = wire.decode(frames)
+        assert message.op is not Op.PUSH, f"push {message['k']}/{message['c']} was not held back"
+
+
 def answer(sock: zmq.Socket, identity: bytes, message: wire.Message) -> None:
     sock.send_multipart([identity, *wire.encode(Op.REPLY, message.rid)])
 
 
-def test_lead_limit_holds_pushes_until_answered_and_lapses_without_answers(router):
+def submit_bulk_pushes(transport: Transport, count: int) -> list:
+    payload = np.ones(BULK_ELEMENTS, np.float32)
+    return [
+        transport.submit(0, Op.PUSH, {"k": "big", "c": c, "n": BULK_ELEMENTS}, [payload])
+        for c in range(count)
+    ]
+
+
+def test_lead_limit_holds_pushes_until_answered(router, monkeypatch):
+    # A patience far beyond the test: whatever comes, came because of an answer.
+    monkeypatch.setattr(transport_module, "LEAD_PATIENCE_S", 3600.0)
     sock, address = router
     transport = Transport([address], b"lead-test", lead_chunks=3)
     try:
-        payload = np.ones(BULK_ELEMENTS, np.float32)
-        requests = [
-            transport.submit(0, Op.PUSH, {"k": "big", "c": c, "n": BULK_ELEMENTS}, [payload])
-            for c in range(8)
-        ]
-        first = receive_pushes(sock, 0.3)
-        assert [m["c"] for _, m in first] == [0, 1, 2]  # three unanswered, then held back
+        requests = submit_bulk_pushes(transport, 8)
+        first = receive_pushes(sock, 3)
+        assert [m["c"] for _, m in first] == [0, 1, 2]
+        assert_no_push_comes(sock)  # three unanswered, then held back
 
         answer(sock, *first[0])
-        requests[0].wait(timeout=5)
-        second = receive_pushes(sock, 0.3)
+        requests[0].wait(timeout=HANG_GUARD_S)
+        second = receive_pushes(sock, 1)
         assert [m["c"] for _, m in second] == [3]  # one answer lets one more go
+        assert_no_push_comes(sock)
 
-        # No answers for LEAD_PATIENCE_S: the limit lapses and the rest leave in order.
-        rest = receive_pushes(sock, transport_module.LEAD_PATIENCE_S + 2.0)
-        assert [m["c"] for _, m in rest] == [4, 5, 6, 7]
-        for identity, message in first[1:] + second + rest:
-            answer(sock, identity, message)
+        # Answered one at a time, the rest leave in order.
+        unanswered = first[1:] + second
+        sent = [m["c"] for _, m in first + second]
+        while unanswered:
+            answer(sock, *unanswered.pop(0))
+            if len(sent) < 8:
+                unanswered += receive_pushes(sock, 1)
+                sent.append(unanswered[-1][1]["c"])
+        assert sent == list(range(8))
         for request in requests:
-            request.wait(timeout=5)
+            request.wait(timeout=HANG_GUARD_S)
     finally:
         transport.close()
 
 
-def test_small_pushes_and_other_servers_are_not_held_back(router):
+def test_lead_limit_lapses_without_answers(router):
+    # No answers for LEAD_PATIENCE_S (the real one): the limit lapses and all leave, in order.
+    sock, address = router
+    transport = Transport([address], b"lead-test-lapse", lead_chunks=3)
+    try:
+        requests = submit_bulk_pushes(transport, 8)
+        got = receive_pushes(sock, 8)
+        assert [m["c"] for _, m in got] == list(range(8))
+        for identity, message in got:
+            answer(sock, identity, message)
+        for request in requests:
+            request.wait(timeout=HANG_GUARD_S)
+    finally:
+        transport.close()
+
+
+def test_small_pushes_and_other_servers_are_not_held_back(router, monkeypatch):
+    monkeypatch.setattr(transport_module, "LEAD_PATIENCE_S", 3600.0)  # held back means held
     sock, address = router
     transport = Transport([address], b"lead-test-small", lead_chunks=1)
     try:
@@ -90,7 +140,8 @@ def test_small_pushes_and_other_servers_are_not_held_back(router):
         transport.submit(0, Op.PUSH, {"k": "big", "c": 1, "n": BULK_ELEMENTS}, [big])
         for c in range(5):
             transport.submit(0, Op.PUSH, {"k": "small", "c": c, "n": 16}, [small])
-        got = receive_pushes(sock, 0.3)
+        got = receive_pushes(sock, 6)
+        assert_no_push_comes(sock)
         # The second bulk push waits for an answer; express-sized pushes never do.
         assert sorted((m["k"], m["c"]) for _, m in got) == [("big", 0)] + [
             ("small", c) for c in range(5)

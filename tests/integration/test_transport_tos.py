@@ -45,7 +45,7 @@ def test_worker_connections_are_marked(tos):
     port = router.bind_to_random_port("tcp://127.0.0.1")
     transport = Transport([f"tcp://127.0.0.1:{port}"], b"tos-test", context, tos=tos)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a hang guard: the connections take milliseconds
         while len(found := tos_of_connections_to(port)) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert found == [tos, tos]  # the data lane and the control lane
