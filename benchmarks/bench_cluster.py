@@ -47,6 +47,12 @@ floor at all.
 With ``--push-borrow`` the kvstore workers push with ``borrow=True`` (their dense gradients
 are sent from their own memory instead of copied first; see ``KVStore.push``).
 
+With ``--auth on`` the kvstore cells run with the job's CURVE keys (:mod:`kvstore.auth`: every
+connection authenticated and encrypted, as every ``kvstore-launch`` job runs); ``--auth both``
+runs each kvstore cell without and then with them, one after the other, so that their ratio is
+the cost of encryption on the same machine state. Records say ``auth`` where it was asked for;
+the default (``off``) runs without keys, like every result before it.
+
 With ``--link-trace`` a record also says how busy each role's links were during the timed
 steps, and how long they stood idle at a step's start and end (:mod:`link_trace`). With
 ``--round-trace`` a kvstore record says when the servers' rounds completed and how soon they
@@ -115,6 +121,10 @@ PRESETS = {
         "rate": 1000.0,
     },
 }
+
+
+AUTH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+"""``--auth`` -> whether each kvstore cell runs with CURVE keys, in run order."""
 
 
 # workloads -----------------------------------------------------------------------------------
@@ -499,9 +509,14 @@ def _placement(n: int, s: int, placement: str) -> tuple[list[int], list[int]]:
     return [i % n for i in range(s)], list(range(n))
 
 
-def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
+def run_kvstore(cluster, args, workload_name, codec, n, s, placement, auth=False) -> dict:
+    from kvstore.auth import JobKeys, role_env
+
     py = sys.executable
-    env = {**os.environ, "KVSTORE_LOG_LEVEL": "WARNING"}
+    keys = JobKeys.generate() if auth else None  # fresh per cell, as the launcher makes them
+    # (every credential variable set or blanked: none is inherited from this shell)
+    env = {**os.environ, "KVSTORE_LOG_LEVEL": "WARNING", **role_env("server", keys)}
+    worker_env = {**os.environ, **role_env("worker", keys)}
     trace_dir = Path(tempfile.mkdtemp(prefix="kv-rounds-")) if args.round_trace else None
 
     def server(host: int, rank: int) -> list[str]:
@@ -527,7 +542,7 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement) -> dict:
 
     try:
         return _run_cell(cluster, args, workload_name, codec, n, s, placement, server, worker,
-                         f"{codec} worker", server_env=env,
+                         f"{codec} worker", server_env=env, worker_env=worker_env,
                          after_stop=rounds if trace_dir is not None else None)  # fmt: skip
     finally:
         if trace_dir is not None:
@@ -561,6 +576,7 @@ def _run_cell(
     what: str,
     server_env: dict[str, str] | None = None,
     after_stop: Callable[[list[tuple[float, float]]], dict] | None = None,
+    worker_env: dict[str, str] | None = None,
 ) -> dict:
     """Start the servers (``server_argv(host, rank)``), then the workers (this script with
     ``worker_role(rank)`` and the addresses, workload, steps and warm-up), on the hosts of
@@ -583,7 +599,7 @@ def _run_cell(
                 "--workload", workload_name, "--steps", str(args.steps),
                 "--warmup-steps", str(warmup)]  # fmt: skip
         workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True))  # fmt: skip
+                                     text=True, env=worker_env))  # fmt: skip
     roles = _host_roles(server_hosts, worker_hosts) if args.link_trace else None
     return _measure(cluster, workers, servers + workers, what, args.timeout,
                     floor, warmup, roles, after_stop, busiest_link_bytes=int(busiest))  # fmt: skip
@@ -694,9 +710,11 @@ def orchestrate(args: argparse.Namespace) -> int:
         hosts = n + s if placement == "separate" else n
         where = {"workers": n, "servers": s, "placement": placement, **hosting}
         for codec in [] if args.baselines_only else pick["codecs"]:
-            record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
-                      **where, **({"push_borrow": True} if args.push_borrow else {})}  # fmt: skip
-            cell(record, hosts, run_kvstore, args, wl, codec, n, s, placement)
+            for auth in AUTH_MODES[args.auth]:
+                record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
+                          **where, **({"push_borrow": True} if args.push_borrow else {}),
+                          **({"auth": auth} if args.auth != "off" else {})}  # fmt: skip
+                cell(record, hosts, run_kvstore, args, wl, codec, n, s, placement, auth)
         if BARE in pick["baselines"]:  # right after kvstore's cells: the same machine state
             record = {"bench": "cluster", "system": BARE, "workload": wl, **where}
             cell(record, hosts, run_bare, args, wl, n, s, placement)
@@ -778,6 +796,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="kvstore workers push with borrow=True (dense gradients sent from their own "
         "memory, not copied); records say push_borrow",
+    )
+    parser.add_argument(
+        "--auth",
+        choices=sorted(AUTH_MODES),
+        default="off",
+        help="kvstore cells with the job's CURVE keys (on), without (off, the default), or "
+        "each cell both ways, one after the other (both); records say auth unless off",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="per configuration")
     parser.add_argument("--out", help="also append the JSON lines to this file")

@@ -8,7 +8,9 @@ must move (its memory floor):
 * 2-bit encode with residual: reads grad and residual, writes residual and 1/4 byte of codes
   (12.25 B/element: floor ratio 1.02);
 * 2-bit decode-and-accumulate: reads 1/4 byte of codes, reads and writes the fp32 sum
-  (8.25 B/element: floor ratio 0.69).
+  (8.25 B/element: floor ratio 0.69);
+* the check a push makes for NaN and infinities (``kvstore.codecs.finite``): reads 4
+  B/element (floor ratio 0.33), next to the copy a dense push makes (8 B/element).
 
 It also times the server-side decode/aggregate of one round (the real ``Aggregator`` objects,
 one per partition) on 1, 2, 4... threads, which scales because the kernels release the GIL.
@@ -34,6 +36,7 @@ import numpy as np  # noqa: E402
 from common import emit, interleaved_medians, machine  # noqa: E402
 
 from kvstore.codecs import get_codec, twobit  # noqa: E402
+from kvstore.codecs.finite import count_nonfinite  # noqa: E402
 
 PRESETS = {
     "smoke": {"elements": 1 << 20, "repeats": 5, "threads": [1, 2], "partitions": 8},
@@ -54,11 +57,15 @@ def bench_kernels(n: int, repeats: int) -> None:
     enc_numpy, dec_numpy = twobit.cpu_kernels("numpy")
     enc_numba(grad, residual, t, words)  # compile (or load the cache) outside the timing
     dec_numba(words, n, t, acc, True)
+    count_nonfinite(grad, kernels="numba")
+    copy = np.empty_like(grad)
     cases = {
         "a += b (numpy)": (lambda: np.add(a, b, out=a), 12.0),
         "2bit encode (numba)": (lambda: enc_numba(grad, residual, t, words), 12.25),
         "2bit decode+accumulate (numba)": (lambda: dec_numba(words, n, t, acc, True), 8.25),
         "2bit decode (numba)": (lambda: dec_numba(words, n, t, acc, False), 4.25),
+        "nonfinite check (numba)": (lambda: count_nonfinite(grad, kernels="numba"), 4.0),
+        "dense push copy (numpy)": (lambda: np.copyto(copy, grad, casting="no"), 8.0),
     }
     if n <= 1 << 22:  # the numpy reference is slow; keep the smoke run short
         cases["2bit encode (numpy reference)"] = (

@@ -19,11 +19,15 @@ values; each step every worker pushes the key and pulls it back (``dist_sync``, 
   a push and a pull request.
 * ``kvstore none borrow``: ``kv.push(..., borrow=True)`` + ``kv.pull`` uncompressed: the
   gradient is sent from its own memory instead of copied first.
+* ``kvstore none curve``, ``kvstore 2bit curve``: ``kvstore none`` and ``kvstore 2bit`` with the
+  job's CURVE keys (:mod:`kvstore.auth`), as every ``kvstore-launch`` job runs: every message
+  encrypted and authenticated. Every other configuration runs without keys.
 
 Configurations run in alternation for ``--rounds`` rounds (so machine noise hits all of them
 alike); each reports the median seconds per step over all rounds' steps. Ratios: kvstore dense
 over bare pyzmq, each 2-bit configuration over dense, pushpull and borrowed pushes over push +
-pull. One JSON line per configuration, then a summary line.
+pull, each CURVE configuration over the same one without keys. One JSON line per configuration,
+then a summary line.
 
     python benchmarks/bench_pushpull.py --preset smoke
     python benchmarks/bench_pushpull.py --preset full
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, machine, start_server, stop_processes  # noqa: E402
 
 from kvstore._malloc import tune_malloc  # noqa: E402
+from kvstore.auth import JobKeys, role_env  # noqa: E402
 from kvstore.config import DEFAULT_PARTITION_BYTES  # noqa: E402
 
 HERE = Path(__file__).resolve()
@@ -129,6 +135,7 @@ class KvConfig(NamedTuple):
     relay: bool = True  # pull_relay
     pushpull: bool = False  # kv.pushpull instead of push + pull
     borrow: bool = False  # push(..., borrow=True)
+    curve: bool = False  # with the job's CURVE keys (authenticated, encrypted)
 
 
 KV_CONFIGS = {
@@ -137,6 +144,8 @@ KV_CONFIGS = {
     "kvstore 2bit dense pull": KvConfig("2bit", relay=False),
     "kvstore none pushpull": KvConfig("none", pushpull=True),
     "kvstore none borrow": KvConfig("none", borrow=True),
+    "kvstore none curve": KvConfig("none", curve=True),
+    "kvstore 2bit curve": KvConfig("2bit", curve=True),
 }
 """Configuration name -> how its workers run."""
 
@@ -186,13 +195,17 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
     """Start a server and the workers of one configuration; return all workers' step times."""
     py = sys.executable
     bare = name.startswith("bare")
+    keys = JobKeys.generate() if not bare and KV_CONFIGS[name].curve else None
+    # (every credential variable set or blanked: none is inherited from this shell)
+    server_env = {**os.environ, **role_env("server", keys)}
+    worker_env = {**os.environ, **role_env("worker", keys)}
     if bare:
         server_cmd = [py, str(HERE), "--role", "bare-server", "--workers", str(workers)]
         server_cmd += ["--elements", str(elements), "--steps", str(steps)]
         server_cmd += ["--pipelined"] if name.endswith("pipelined") else []
     else:
         server_cmd = [py, "-m", "kvstore.server", "--num-workers", str(workers), "--threads", "2"]
-    server, address = start_server(server_cmd)
+    server, address = start_server(server_cmd, server_env)
     children: list[subprocess.Popen] = []
     try:
         for rank in range(workers):
@@ -207,7 +220,9 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
                 command += [] if config.relay else ["--no-relay"]
                 command += ["--pushpull"] if config.pushpull else []
                 command += ["--borrow"] if config.borrow else []
-            children.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+            children.append(
+                subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=worker_env)
+            )
         times: list[float] = []
         for child in children:
             out, _ = child.communicate(timeout=600)
@@ -300,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "borrow_over_push_and_pull": round(
                 medians["kvstore none borrow"] / medians["kvstore none"], 3
+            ),
+            "curve_over_plain_dense": round(
+                medians["kvstore none curve"] / medians["kvstore none"], 3
+            ),
+            "curve_over_plain_2bit": round(
+                medians["kvstore 2bit curve"] / medians["kvstore 2bit"], 3
             ),
             "machine": machine(),
         }

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from kvstore.codecs.xp import array_module
+from kvstore.codecs.xp import array_module, is_cupy_array
 from kvstore.errors import CodecError
 
 Payloads = Sequence[Any]
@@ -109,9 +109,49 @@ class Encoder(ABC):
         dtype: the value dtype name.
     """
 
+    state_names: ClassVar[tuple[str, ...]] = ()
+    """The attributes (numpy or CuPy arrays) that hold the encoder's state between pushes:
+    everything the next :meth:`encode` depends on besides its input (2-bit: ``residual``).
+    :meth:`state` and :meth:`load_state` save and restore them for checkpoints; an encoder
+    whose state is not such arrays overrides those two."""
+
     def __init__(self, numel: int, dtype: str) -> None:
         self.numel = numel
         self.dtype = dtype
+
+    def state(self) -> dict[str, np.ndarray]:
+        """A copy of the encoder's state (:attr:`state_names`) in host memory, for a checkpoint
+        (device arrays are copied to the host). Call it between pushes, not during one."""
+        result = {}
+        for name in self.state_names:
+            array = getattr(self, name)
+            result[name] = array.get() if is_cupy_array(array) else np.array(array, copy=True)
+        return result
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore what :meth:`state` returned (copied into the encoder's own arrays, on their
+        device), so the next push encodes exactly as it would have.
+
+        Raises:
+            CodecError: the names, shapes or dtypes are not this encoder's.
+        """
+        if set(state) != set(self.state_names):
+            raise CodecError(
+                f"{type(self).__name__} keeps state {sorted(self.state_names)}, got {sorted(state)}"
+            )
+        for name in self.state_names:
+            own, saved = getattr(self, name), state[name]
+            if tuple(saved.shape) != tuple(own.shape) or np.dtype(saved.dtype) != own.dtype:
+                raise CodecError(
+                    f"{type(self).__name__}.{name} is {own.dtype}{list(own.shape)}, the saved "
+                    f"state is {saved.dtype}{list(saved.shape)}"
+                )
+        for name in self.state_names:
+            own, saved = getattr(self, name), state[name]
+            if is_cupy_array(own):
+                own.set(np.ascontiguousarray(saved))
+            else:
+                np.copyto(own, saved, casting="no")
 
     @abstractmethod
     def encode(self, values: Any) -> list[Any]:

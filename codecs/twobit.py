@@ -219,6 +219,8 @@ def count_sent(words: np.ndarray) -> int:
 class _HostTwoBitEncoder(Encoder):
     """CPU encoder: residual and output words in host memory, compiled kernel."""
 
+    state_names = ("residual",)
+
     def __init__(self, numel: int, threshold: float) -> None:
         super().__init__(numel, "float32")
         self.threshold = np.float32(threshold)
@@ -238,6 +240,8 @@ class _HostTwoBitEncoder(Encoder):
 
 class _CudaTwoBitEncoder(Encoder):
     """GPU encoder: residual and words on the device, words copied to pinned host memory."""
+
+    state_names = ("residual",)  # copied to the host by state(), back by load_state()
 
     def __init__(self, numel: int, threshold: float) -> None:
         import cupy  # noqa: PLC0415

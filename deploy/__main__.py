@@ -8,6 +8,10 @@ Usage::
 shell) and starts every process on the allocation's nodes with ``srun``; see
 :class:`~kvstore.deploy.backends.SlurmBackend`. The launcher logs (role ``launch``) in the
 format of every kvstore process, at ``KVSTORE_LOG_LEVEL`` (default INFO).
+
+Every job gets fresh CURVE keys (:mod:`kvstore.auth`): its servers admit only its workers, and
+their connections are encrypted. ``--no-auth`` (or ``KVSTORE_AUTH=0``) starts a job without
+them, for trusted networks.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from kvstore import _logging
+from kvstore.config import launcher_auth_from_env
 from kvstore.deploy.backends import (
     Backend,
     LocalBackend,
@@ -66,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ssh-command", default="ssh -o BatchMode=yes", help="(ssh) ssh client and options"
     )
+    parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="start the job without CURVE keys (also KVSTORE_AUTH=0): servers then accept "
+        "any process that reaches them, unencrypted; for trusted networks only",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
     return parser
 
@@ -92,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("-H is for --launcher ssh")
     backend: Backend
     try:
+        auth = not args.no_auth and launcher_auth_from_env()
         if args.launcher == "ssh":
             if not args.hostfile:
                 parser.error("--launcher ssh needs -H HOSTFILE")
@@ -111,14 +123,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend = LocalBackend(args.host or "127.0.0.1")
     except ConfigError as exc:
         parser.error(str(exc))
-    supervisor = Supervisor(
-        backend,
-        args.num_workers,
-        num_servers,
-        command,
-        startup_timeout=args.startup_timeout,
-        server_threads=args.server_threads,
-    )
+    try:
+        supervisor = Supervisor(
+            backend,
+            args.num_workers,
+            num_servers,
+            command,
+            startup_timeout=args.startup_timeout,
+            server_threads=args.server_threads,
+            auth=auth,
+        )
+    except ConfigError as exc:  # (a libzmq without CURVE)
+        parser.error(str(exc))
     return supervisor.run()
 
 

@@ -20,16 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from kvstore.auth import SECRET_VARS
 from kvstore.deploy.slurm_env import allocation_from_env
 from kvstore.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class ChildCommand:
-    """A local child process to start: argv and the complete environment."""
+    """A local child process to start: argv, the complete environment, and bytes to write to
+    its stdin first (None: nothing; :class:`SSHBackend` sends secrets that way)."""
 
     argv: list[str]
     env: dict[str, str]
+    stdin: bytes | None = None
 
 
 class Backend(ABC):
@@ -117,7 +120,8 @@ class SSHBackend(Backend):
     Servers take hosts ``0..S-1`` of the hostfile (cycling), workers the following ones, so with
     5 hosts, 3 servers and 3 workers the servers run on hosts 1-3 and the workers on hosts 4, 5
     and 1. Remote commands run in the launcher's working directory (which must exist there,
-    e.g. a shared file system), with the job variables and those named by ``forward_env``.
+    e.g. a shared file system), with the job variables and those named by ``forward_env``; the
+    secret keys of the job's credentials go over ssh's stdin instead of the command line.
 
     Args:
         hosts: host names.
@@ -163,10 +167,29 @@ class SSHBackend(Backend):
             if name in os.environ:
                 remote_env[name] = os.environ[name]
         remote_env.update(env)
+        # Secret keys never go on the command line, which every user of either host can read
+        # (ps): they travel over ssh's stdin, as NAME=VALUE lines up to an empty line, read by
+        # a POSIX sh prelude that exports them and then runs the command with the rest of stdin.
+        secrets = {k: v for k, v in remote_env.items() if k in SECRET_VARS and v}
+        for name in SECRET_VARS:
+            remote_env.pop(name, None)
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(remote_env.items()))
         command = " ".join(shlex.quote(a) for a in argv)
-        remote = f"cd {shlex.quote(os.getcwd())} && env {exports} {command}"
-        return ChildCommand([*self.ssh_command, self._host(role, rank), remote], dict(os.environ))
+        run = f"env {exports} {command}"
+        stdin = None
+        if secrets:
+            run = f"sh -c {shlex.quote(_READ_SECRETS)} kvstore-launch {run}"
+            stdin = "".join(f"{k}={v}\n" for k, v in sorted(secrets.items())).encode() + b"\n"
+        remote = f"cd {shlex.quote(os.getcwd())} && {run}"
+        return ChildCommand(
+            [*self.ssh_command, self._host(role, rank), remote], dict(os.environ), stdin
+        )
+
+
+_READ_SECRETS = 'while IFS= read -r kv && [ -n "$kv" ]; do export "$kv"; done; exec "$@"'
+"""The remote prelude of :meth:`SSHBackend.child` (POSIX sh): export the NAME=VALUE lines of
+stdin up to an empty one, then run the command (its arguments). ``read`` takes a pipe one byte
+at a time, so the command's stdin starts right after the empty line."""
 
 
 class SlurmBackend(Backend):

@@ -17,6 +17,12 @@ The sequence:
 Every child runs in a session of its own and is stopped through its process-group id, which is
 its pid (SIGTERM, then SIGKILL after a grace period): never by name, and its own children (data
 loader processes) go with it.
+
+A server's stdin is a pipe whose writing end only the launcher holds, and the server runs with
+``--stop-on-stdin-eof``: if the launcher dies without stopping it (SIGKILL, a crash), the pipe
+closes and the server stops at once instead of running on as an orphan (through ``ssh`` and
+``srun`` too, which pass stdin on). Its workers then lose their servers
+(:class:`~kvstore.errors.ServerLostError`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from kvstore import _logging
+from kvstore.auth import JobKeys, role_env
 from kvstore.deploy.backends import Backend
 
 READY_PREFIX = "KVSTORE_READY"
@@ -85,6 +92,10 @@ class Supervisor:
         startup_timeout: seconds to wait for the servers' READY lines.
         stop_timeout: grace period between SIGTERM and SIGKILL.
         server_threads: ``--threads`` of each server (None: the server's default).
+        auth: make fresh CURVE keys for the job (:class:`~kvstore.auth.JobKeys`) and give
+            servers the server's secret key and workers the client's: only this job's workers
+            can then talk to its servers, encrypted. False: no keys (trusted networks only);
+            either way no child inherits credential variables from the launcher's environment.
         out, err: where to forward output (default: this process's stdout and stderr).
     """
 
@@ -98,6 +109,7 @@ class Supervisor:
         startup_timeout: float = 60.0,
         stop_timeout: float = 10.0,
         server_threads: int | None = None,
+        auth: bool = True,
         out: IO[bytes] | None = None,
         err: IO[bytes] | None = None,
     ) -> None:
@@ -108,6 +120,8 @@ class Supervisor:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.server_threads = server_threads
+        self.keys: JobKeys | None = JobKeys.generate() if auth else None
+        """The job's credentials (None: a job without authentication)."""
         self._out = out if out is not None else sys.stdout.buffer
         self._err = err if err is not None else sys.stderr.buffer
         self._write_lock = threading.Lock()
@@ -154,11 +168,22 @@ class Supervisor:
         process = subprocess.Popen(
             spec.argv,
             env=spec.env,
-            stdin=subprocess.DEVNULL,
+            # A server stops when this pipe closes: when the launcher is gone (module docstring).
+            stdin=subprocess.PIPE if role == "server" or spec.stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group: stopped as a whole by its pid
         )
+        if spec.stdin and process.stdin is not None:
+            # Secrets for the remote end, not on a command line (SSHBackend): a few hundred
+            # bytes, far below a pipe's buffer, so this never blocks.
+            try:
+                process.stdin.write(spec.stdin)
+                process.stdin.flush()
+                if role != "server":  # a worker's stdin ends there (DEVNULL otherwise)
+                    process.stdin.close()
+            except BrokenPipeError:  # it died at once: its exit is reported as any other
+                pass
         child = Child(role, rank, process)
         for source, sink, watch in (
             (process.stdout, self._out, role == "server"),
@@ -187,6 +212,7 @@ class Supervisor:
             str(self.num_servers),
             "--num-workers",
             str(self.num_workers),
+            "--stop-on-stdin-eof",
         ]
         if self.server_threads is not None:
             argv += ["--threads", str(self.server_threads)]
@@ -207,6 +233,8 @@ class Supervisor:
         for child in self.children:
             for thread in child.threads:
                 thread.join(timeout=5.0)
+            if child.process.stdin is not None and child.process.poll() is not None:
+                child.process.stdin.close()
 
     @staticmethod
     def _signal(child: Child, sig: int) -> None:
@@ -239,8 +267,14 @@ class Supervisor:
             f"({self.backend.name} launcher)",
             logging.INFO,
         )
+        if self.keys is None:
+            self.say(
+                "no authentication (--no-auth): the servers accept any process that reaches "
+                "them, unencrypted; run on a trusted network only",
+                logging.WARNING,
+            )
         servers = [
-            self._start("server", rank, self._server_argv(rank), {})
+            self._start("server", rank, self._server_argv(rank), role_env("server", self.keys))
             for rank in range(self.num_servers)
         ]
         status = self._wait_ready(servers)
@@ -256,6 +290,7 @@ class Supervisor:
                 "KVSTORE_NUM_WORKERS": str(self.num_workers),
                 "KVSTORE_NUM_SERVERS": str(self.num_servers),
                 "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
+                **role_env("worker", self.keys),
             }
             try:
                 workers.append(self._start("worker", rank, self.command, env))

@@ -18,6 +18,8 @@ import typing as _typing
 from kvstore._version import __version__
 from kvstore.api import MODES, create
 from kvstore.errors import (
+    AuthenticationError,
+    CheckpointError,
     CodecError,
     ConfigError,
     ConnectionLostError,
@@ -25,11 +27,14 @@ from kvstore.errors import (
     KeyNotInitializedError,
     KVStoreError,
     KVStoreTimeoutError,
+    NonFiniteError,
     OptimizerError,
     ProtocolError,
     RemoteError,
+    ServerLostError,
     UsageError,
     ValueMismatchError,
+    WorkerLostError,
 )
 
 if _typing.TYPE_CHECKING:
@@ -37,6 +42,8 @@ if _typing.TYPE_CHECKING:
 
 __all__ = [
     "MODES",
+    "AuthenticationError",
+    "CheckpointError",
     "CodecError",
     "ConfigError",
     "ConnectionLostError",
@@ -45,12 +52,15 @@ __all__ = [
     "KVStoreError",
     "KVStoreTimeoutError",
     "KeyNotInitializedError",
+    "NonFiniteError",
     "OptimizerError",
     "ProtocolError",
     "RemoteError",
+    "ServerLostError",
     "TrafficStats",
     "UsageError",
     "ValueMismatchError",
+    "WorkerLostError",
     "__version__",
     "create",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvstore import _logging
@@ -46,6 +47,7 @@ def create(
     bigarray_bound: int | None = None,
     partition_bytes: int | None = None,
     pull_relay: bool | None = None,
+    heartbeat_timeout: float | None = None,
 ) -> KVStore:
     """Create a store and connect it to its servers.
 
@@ -67,6 +69,8 @@ def create(
         bigarray_bound: split keys of at least this many elements (``KVSTORE_BIGARRAY_BOUND``).
         partition_bytes: largest message payload (``KVSTORE_PARTITION_BYTES``).
         pull_relay: take relayed pulls of compressed rounds (``KVSTORE_PULL_RELAY``).
+        heartbeat_timeout: a server silent this long is lost, 0: never
+            (``KVSTORE_HEARTBEAT_TIMEOUT``; the servers read their own).
 
     Raises:
         ValueError: unknown ``name`` (the message lists the valid ones).
@@ -95,6 +99,7 @@ def create(
         bigarray_bound=bigarray_bound,
         partition_bytes=partition_bytes,
         pull_relay=pull_relay,
+        heartbeat_timeout=heartbeat_timeout,
     )
     if mode == "local":
         if servers is not None or (num_workers not in (None, 1)) or rank not in (None, 0):
@@ -121,6 +126,8 @@ def _create_local(options: WorkerOptions) -> KVStore:
         context.term()
 
     cluster = ClusterConfig(servers=(server.address,), rank=0, num_workers=1)
+    # No heartbeats: the server lives in this process, so it cannot be lost on its own.
+    options = replace(options, heartbeat_timeout=0.0)
     try:
         return KVStore("local", cluster, options, context=context, on_close=stop)
     except BaseException:

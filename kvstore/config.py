@@ -73,7 +73,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "KVSTORE_PARTITION_BYTES",
         "int",
         "4194304",
-        "worker",
+        "worker, server",
         "Largest chunk, in bytes of the uncompressed value. Each server's slice of a key is cut "
         "into 16 chunks of at most this size and at least a quarter of it (fewer where the "
         "slice is short), a slice of a key whose pushes carry at least 4 times this many bytes "
@@ -81,15 +81,15 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "encoding, sending, server-side decoding and replies overlap; the "
         "send window is twice this. Smaller partitions bring a synchronous step closer to the "
         "wire floor where many workers share a server's link, at a CPU cost per chunk. Must be "
-        "equal on all workers.",
+        "equal on all workers; servers derive their message size limit from it.",
     ),
     EnvVar(
         "KVSTORE_TIMEOUT",
         "float seconds",
         "0 (wait forever)",
         "worker",
-        "Longest a blocking call (init, pull, barrier, set_optimizer, close) waits before "
-        "raising `KVStoreTimeoutError`.",
+        "Longest a blocking call (init, push, pull of any number of keys, barrier, "
+        "set_optimizer, close) waits in all before raising `KVStoreTimeoutError`.",
     ),
     EnvVar(
         "KVSTORE_CONNECT_TIMEOUT",
@@ -97,6 +97,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "60",
         "worker",
         "Longest `kvstore.create` waits for every server to answer its handshake.",
+    ),
+    EnvVar(
+        "KVSTORE_HEARTBEAT_TIMEOUT",
+        "float seconds",
+        "30",
+        "worker, server",
+        "A peer silent this long is lost: a server releases a worker's rank (a replacement may "
+        "take it) and fails the requests that wait on it with `WorkerLostError`; a worker fails "
+        "its requests to a server with `ServerLostError`. Workers ping every server every "
+        "min(5 s, timeout / 6). 0 turns heartbeats off. Set it equal on servers and workers "
+        "(`kvstore-launch` passes it on).",
     ),
     EnvVar(
         "KVSTORE_SERVER_THREADS",
@@ -160,6 +171,25 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "value; 0 always pulls dense values.",
     ),
     EnvVar(
+        "KVSTORE_MAX_MESSAGE_BYTES",
+        "int >= 65536",
+        "the largest chunk of KVSTORE_PARTITION_BYTES (4 MiB + 120)",
+        "server",
+        "Largest frame a server accepts (ZeroMQ drops the connection of a peer that sends a "
+        "larger one, before reading it); by default the largest chunk a worker with the "
+        "server's KVSTORE_PARTITION_BYTES can send. A worker whose chunks could be larger is "
+        "refused at connect with `ConfigError`, and so is an init of a larger chunk.",
+    ),
+    EnvVar(
+        "KVSTORE_ALLOW_NONFINITE",
+        "0 or 1",
+        "0",
+        "worker",
+        "0: a push or pushpull of float values holding NaN or an infinity raises "
+        "`NonFiniteError` naming the key, and sends nothing of it (residuals unchanged); 1: "
+        "they are pushed as they are (and skip the check, one read of each value).",
+    ),
+    EnvVar(
         "KVSTORE_METRICS_PORT",
         "int 0-65535",
         "(unset: no endpoint)",
@@ -191,6 +221,53 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "worker, server, launcher",
         "Log level of the `kvstore` loggers; every process logs in one format (see Logs).",
     ),
+    EnvVar(
+        "KVSTORE_AUTH_DIR",
+        "directory",
+        "(unset)",
+        "worker, server",
+        "Directory of the job's CURVE key files, one key per file, as `kvstore-keygen DIR` "
+        "writes them (`DIR/server`, `DIR/worker`) or a Kubernetes Secret mounts them: a server "
+        "reads `server-secret-key` and `client-public-key`, a worker `client-secret-key` and "
+        "`server-public-key`. A `KVSTORE_AUTH_*_KEY` variable wins over its file. A server "
+        "without keys accepts any worker (and logs a warning saying so).",
+    ),
+    EnvVar(
+        "KVSTORE_AUTH_SERVER_SECRET_KEY",
+        "Z85 CURVE key (40 characters)",
+        "(unset)",
+        "server",
+        "The job's server secret key; `kvstore-launch` sets it for its servers.",
+    ),
+    EnvVar(
+        "KVSTORE_AUTH_CLIENT_PUBLIC_KEY",
+        "Z85 CURVE key (40 characters)",
+        "(unset)",
+        "server",
+        "The job's client public key: the only worker key a server admits.",
+    ),
+    EnvVar(
+        "KVSTORE_AUTH_CLIENT_SECRET_KEY",
+        "Z85 CURVE key (40 characters)",
+        "(unset)",
+        "worker",
+        "The job's client secret key; `kvstore-launch` sets it for its workers.",
+    ),
+    EnvVar(
+        "KVSTORE_AUTH_SERVER_PUBLIC_KEY",
+        "Z85 CURVE key (40 characters)",
+        "(unset)",
+        "worker",
+        "The job's server public key: a worker talks only to servers that hold its secret key.",
+    ),
+    EnvVar(
+        "KVSTORE_AUTH",
+        "0 or 1",
+        "1",
+        "launcher",
+        "0: `kvstore-launch` starts the job without CURVE keys, as `--no-auth` does (no "
+        "authentication, no encryption: for trusted networks only).",
+    ),
 )
 
 ENV_VAR_NAMES = frozenset(v.name for v in ENV_VARS)
@@ -204,6 +281,10 @@ so the best size is where the two balance. Measured at commit ``c061cb3``, key10
 alternating, x the floor; the CPU-busiest cell of the cluster grid): 2 MiB 1.386, 1.294; 3 MiB
 1.303, 1.331; 4 MiB 1.195, 1.217, 1.232, 1.249; 8 MiB 1.276, 1.277; 16 MiB 1.657, 1.689."""
 DEFAULT_CONNECT_TIMEOUT = 60.0
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+MIN_HEARTBEAT_TIMEOUT = 0.1
+"""Shorter timeouts are refused: pings every timeout / 6 would cost more than they tell."""
+MAX_HEARTBEAT_INTERVAL = 5.0
 DEFAULT_METRICS_ADDR = "127.0.0.1"
 """Default ``KVSTORE_METRICS_ADDR``. The endpoint has no authentication and names the job's keys,
 so, like ``kvstore-server --host``, it stays on the host unless asked: a Prometheus on another
@@ -394,6 +475,136 @@ def metrics_config_from_env(env: Mapping[str, str] | None = None) -> MetricsConf
     return MetricsConfig(port=port, addr=addr, every=every)
 
 
+Z85_KEY_LENGTH = 40
+"""Characters of a CURVE key in Z85 text (32 bytes)."""
+_Z85_ALPHABET = frozenset(
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+)
+AUTH_DIR_VAR = "KVSTORE_AUTH_DIR"
+AUTH_KEY_FILES: dict[str, str] = {
+    "server-secret-key": "KVSTORE_AUTH_SERVER_SECRET_KEY",
+    "server-public-key": "KVSTORE_AUTH_SERVER_PUBLIC_KEY",
+    "client-secret-key": "KVSTORE_AUTH_CLIENT_SECRET_KEY",
+    "client-public-key": "KVSTORE_AUTH_CLIENT_PUBLIC_KEY",
+}
+"""Key file name in ``KVSTORE_AUTH_DIR`` -> the variable that may hold the key instead."""
+AUTH_VARS: tuple[str, ...] = (AUTH_DIR_VAR, *AUTH_KEY_FILES.values())
+"""Every variable that carries credentials (the launcher sets or blanks them all per child)."""
+AUTH_ROLE_FILES: dict[str, tuple[str, str, str]] = {
+    "server": ("server-secret-key", "server-public-key", "client-public-key"),
+    "worker": ("client-secret-key", "client-public-key", "server-public-key"),
+}
+"""The key files of each role: its own secret key, its own public key (optional: derived from
+the secret one) and the other side's public key."""
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """One process's CURVE credentials, Z85 text (see :mod:`kvstore.auth`).
+
+    Attributes:
+        role: ``"server"`` or ``"worker"``.
+        secret_key: this process's secret key: the job's server secret key on a server, its
+            client secret key on a worker. Never shown by ``repr``.
+        peer_key: the other side's public key: on a server the job's client public key (the
+            only client key it admits), on a worker the job's server public key.
+        public_key: this process's public key where it was given (checked against the secret
+            key when the keys are applied); None: derived from the secret key.
+    """
+
+    role: str
+    secret_key: str = field(repr=False)
+    peer_key: str
+    public_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in AUTH_ROLE_FILES:
+            raise ConfigError(f"role must be 'server' or 'worker', got {self.role!r}")
+        own_secret, own_public, peer = AUTH_ROLE_FILES[self.role]
+        check_z85_key(own_secret, self.secret_key)
+        check_z85_key(peer, self.peer_key)
+        if self.public_key is not None:
+            check_z85_key(own_public, self.public_key)
+
+
+def check_z85_key(what: str, key: str) -> None:
+    """Raise ConfigError unless ``key`` is a CURVE key in Z85 text. The message never shows
+    the key (it may be a secret), only what is wrong with it."""
+    if len(key) != Z85_KEY_LENGTH:
+        raise ConfigError(
+            f"{what} is not a CURVE key: expected {Z85_KEY_LENGTH} Z85 characters (as "
+            f"`kvstore-keygen` writes them), got {len(key)} characters"
+        )
+    bad = sorted(set(key) - _Z85_ALPHABET)
+    if bad:
+        raise ConfigError(
+            f"{what} is not a CURVE key: {len(bad)} character(s) outside the Z85 alphabet"
+        )
+
+
+def curve_keys_from_env(role: str, env: Mapping[str, str] | None = None) -> CurveKeys | None:
+    """The CURVE credentials of a ``role`` (``"server"`` or ``"worker"``) process, or None.
+
+    Each key comes from its ``KVSTORE_AUTH_*_KEY`` variable if set, else from its file in
+    ``KVSTORE_AUTH_DIR`` (see :data:`AUTH_KEY_FILES`). None when neither gives any key of the
+    role: the process runs without authentication. A role's keys are all or nothing: a
+    ``KVSTORE_AUTH_DIR`` without the role's files, or one key without the other, raises
+    :class:`ConfigError` naming what is missing.
+    """
+    env = os.environ if env is None else env
+    if role not in AUTH_ROLE_FILES:
+        raise ConfigError(f"role must be 'server' or 'worker', got {role!r}")
+    directory = _get(env, AUTH_DIR_VAR)
+    found: dict[str, str] = {}
+    for name in AUTH_ROLE_FILES[role]:
+        var = AUTH_KEY_FILES[name]
+        value = _get(env, var)
+        where = var
+        if value is None and directory is not None:
+            path = os.path.join(directory, name)
+            where = f"{AUTH_DIR_VAR}={directory}: {name}"
+            try:
+                with open(path, encoding="ascii") as f:
+                    value = f.read().strip()
+            except FileNotFoundError:
+                value = None
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"cannot read {where}: {exc}") from None
+        if value is not None:
+            check_z85_key(where, value)
+            found[name] = value
+    own_secret, own_public, peer = AUTH_ROLE_FILES[role]
+    if own_secret not in found and peer not in found:
+        if directory is not None:
+            raise ConfigError(
+                f"{AUTH_DIR_VAR}={directory} holds no {own_secret} and no {peer}: a {role} "
+                f"reads those two files (`kvstore-keygen DIR` writes them to DIR/{role})"
+            )
+        return None
+    for name in (own_secret, peer):
+        if name not in found:
+            other = own_secret if name == peer else peer
+            if directory is not None:
+                raise ConfigError(
+                    f"{AUTH_DIR_VAR}={directory} holds no {name}: a {role} reads {own_secret} "
+                    f"and {peer} (`kvstore-keygen DIR` writes them to DIR/{role}; is this "
+                    f"another role's folder?)"
+                )
+            raise ConfigError(
+                f"a {role} has the job's {other} but not its {name}: set "
+                f"{AUTH_KEY_FILES[name]}, or {AUTH_DIR_VAR} to a directory holding both files "
+                f"(`kvstore-keygen DIR` writes them to DIR/{role})"
+            )
+    return CurveKeys(role, found[own_secret], found[peer], found.get(own_public))
+
+
+def launcher_auth_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """``KVSTORE_AUTH``: whether ``kvstore-launch`` makes CURVE keys for its job (default 1)."""
+    env = os.environ if env is None else env
+    raw = _get(env, "KVSTORE_AUTH")
+    return True if raw is None else parse_switch("KVSTORE_AUTH", raw)
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     """Worker tunables (all have defaults; see :data:`ENV_VARS`).
@@ -404,6 +615,8 @@ class WorkerOptions:
         timeout: longest wait of a blocking call in seconds; ``None`` waits forever.
         connect_timeout: longest wait for the servers' handshake replies, in seconds.
         pull_relay: offer to take relayed pulls (a round's compressed pushes, summed here).
+        allow_nonfinite: push NaN and infinities as they are, unchecked; False: a push of float
+            values holding any raises :class:`~kvstore.errors.NonFiniteError` and sends nothing.
         push_lead: unanswered pushes per server connection, at most (0: no limit; None: the
             default for the job's size, see :func:`default_push_lead`).
         push_tos: IP TOS byte of the worker's packets (0: unmarked; None: the default for the
@@ -411,7 +624,11 @@ class WorkerOptions:
         send_queue_ms: pushes queued for the connections, in milliseconds of the measured
             send rate (0: a fixed ``2 * partition_bytes``; see
             :class:`kvstore.worker.send_window.SendWindow`).
+        heartbeat_timeout: seconds without a message from a server after which it is lost
+            (:class:`~kvstore.errors.ServerLostError`); 0: never.
         metrics: the Prometheus endpoint's settings; None: no endpoint.
+        curve: the worker's CURVE credentials (``KVSTORE_AUTH_*``); None: it connects without
+            authentication or encryption.
     """
 
     bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
@@ -422,7 +639,10 @@ class WorkerOptions:
     push_lead: int | None = None
     push_tos: int | None = None
     send_queue_ms: float = 0.0
+    allow_nonfinite: bool = False
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     metrics: MetricsConfig | None = None
+    curve: CurveKeys | None = None
 
     def __post_init__(self) -> None:
         if self.bigarray_bound < 1:
@@ -439,6 +659,7 @@ class WorkerOptions:
             raise ConfigError(f"push_tos must be a TOS byte in 0-255, got {self.push_tos}")
         if not self.send_queue_ms >= 0:
             raise ConfigError(f"send_queue_ms must be >= 0, got {self.send_queue_ms}")
+        check_heartbeat_timeout(self.heartbeat_timeout)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> WorkerOptions:
@@ -470,7 +691,12 @@ class WorkerOptions:
         raw = _get(env, "KVSTORE_PULL_RELAY")
         if raw is not None:
             values["pull_relay"] = parse_switch("KVSTORE_PULL_RELAY", raw)
+        raw = _get(env, "KVSTORE_ALLOW_NONFINITE")
+        if raw is not None:
+            values["allow_nonfinite"] = parse_switch("KVSTORE_ALLOW_NONFINITE", raw)
         values["metrics"] = metrics_config_from_env(env)
+        values["heartbeat_timeout"] = heartbeat_timeout_from_env(env)
+        values["curve"] = curve_keys_from_env("worker", env)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 
@@ -537,7 +763,16 @@ class ServerConfig:
         num_workers: N; a ``dist_sync`` round completes when all N workers pushed.
         threads: executor threads for decode, aggregation and optimizer work.
         bind: explicit ZeroMQ endpoint that overrides host and port (``inproc://...``).
+        partition_bytes: the workers' ``KVSTORE_PARTITION_BYTES``, from which the default
+            message size limit is derived (:func:`kvstore.topology.max_payload_bytes`).
+        max_message_bytes: the largest frame accepted (``KVSTORE_MAX_MESSAGE_BYTES``); None:
+            derived from ``partition_bytes``. In-process (``inproc://``) servers have none.
+        heartbeat_timeout: seconds without a message from a worker after which its rank is
+            lost and released (``KVSTORE_HEARTBEAT_TIMEOUT``, which ``kvstore-server``
+            reads); 0, the default here (an in-process server): never.
         metrics: the Prometheus endpoint's settings; None: no endpoint.
+        curve: the server's CURVE credentials (``KVSTORE_AUTH_*``): it then admits only
+            workers holding the job's client key; None: it accepts any worker.
     """
 
     host: str = "127.0.0.1"
@@ -547,7 +782,11 @@ class ServerConfig:
     num_workers: int = 1
     threads: int = field(default_factory=default_server_threads)
     bind: str | None = None
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    max_message_bytes: int | None = None
+    heartbeat_timeout: float = 0.0
     metrics: MetricsConfig | None = None
+    curve: CurveKeys | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -563,6 +802,36 @@ class ServerConfig:
             )
         if self.threads < 1:
             raise ConfigError(f"server threads must be >= 1, got {self.threads}")
+        if self.partition_bytes < 64:
+            raise ConfigError(f"partition_bytes must be >= 64, got {self.partition_bytes}")
+        if self.max_message_bytes is not None and self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ConfigError(
+                f"max_message_bytes must be >= {MIN_MESSAGE_BYTES} (a header may take that "
+                f"much), got {self.max_message_bytes}"
+            )
+        check_heartbeat_timeout(self.heartbeat_timeout)
+
+
+MIN_MESSAGE_BYTES = 64 * 1024
+"""The smallest message size limit: a header alone may take 64 KiB (``wire.MAX_HEADER_BYTES``)."""
+
+
+def partition_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
+    """``KVSTORE_PARTITION_BYTES`` or its default (a server derives its message limit from it)."""
+    env = os.environ if env is None else env
+    raw = _get(env, "KVSTORE_PARTITION_BYTES")
+    if raw is None:
+        return DEFAULT_PARTITION_BYTES
+    return parse_int("KVSTORE_PARTITION_BYTES", raw, minimum=64)
+
+
+def max_message_bytes_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """``KVSTORE_MAX_MESSAGE_BYTES``, or None (unset: derived from the partition size)."""
+    env = os.environ if env is None else env
+    raw = _get(env, "KVSTORE_MAX_MESSAGE_BYTES")
+    if raw is None:
+        return None
+    return parse_int("KVSTORE_MAX_MESSAGE_BYTES", raw, minimum=MIN_MESSAGE_BYTES)
 
 
 def server_threads_from_env(env: Mapping[str, str] | None = None) -> int:
@@ -572,6 +841,32 @@ def server_threads_from_env(env: Mapping[str, str] | None = None) -> int:
     if raw is None:
         return default_server_threads()
     return parse_int("KVSTORE_SERVER_THREADS", raw, minimum=1)
+
+
+def check_heartbeat_timeout(value: float, name: str = "heartbeat_timeout") -> float:
+    """``value`` if it is a valid heartbeat timeout in seconds (0: heartbeats off)."""
+    if value != value or not (value == 0 or value >= MIN_HEARTBEAT_TIMEOUT):
+        raise ConfigError(
+            f"{name}={value!r} must be 0 (off) or at least {MIN_HEARTBEAT_TIMEOUT} seconds"
+        )
+    return value
+
+
+def heartbeat_timeout_from_env(env: Mapping[str, str] | None = None) -> float:
+    """``KVSTORE_HEARTBEAT_TIMEOUT`` in seconds (default 30; 0: heartbeats off)."""
+    env = os.environ if env is None else env
+    raw = _get(env, "KVSTORE_HEARTBEAT_TIMEOUT")
+    if raw is None:
+        return DEFAULT_HEARTBEAT_TIMEOUT
+    value = parse_float("KVSTORE_HEARTBEAT_TIMEOUT", raw, minimum=0.0)
+    return check_heartbeat_timeout(value, "KVSTORE_HEARTBEAT_TIMEOUT")
+
+
+def heartbeat_interval(timeout: float) -> float:
+    """How often a worker pings each server (and a server checks on its workers) for a
+    heartbeat timeout of ``timeout`` seconds: a sixth of it, at most
+    :data:`MAX_HEARTBEAT_INTERVAL`, so that one late ping never looks like a lost peer."""
+    return min(MAX_HEARTBEAT_INTERVAL, timeout / 6)
 
 
 def malloc_tuning_from_env(env: Mapping[str, str] | None = None) -> bool:

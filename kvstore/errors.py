@@ -56,6 +56,12 @@ class UsageError(KVStoreError, RuntimeError):
     """A call made in the wrong order or state (compression after init, use after close, ...)."""
 
 
+class NonFiniteError(KVStoreError, ValueError):
+    """A push of float values holding NaN or an infinity (``KVSTORE_ALLOW_NONFINITE=1`` lets
+    them through). Nothing of the refused push was sent and no residual changed, so the caller
+    may skip the step or stop; the message names the key and how many elements are bad."""
+
+
 class RemoteError(KVStoreError):
     """An error reported by a server that has no more specific class.
 
@@ -78,6 +84,54 @@ class ConnectionLostError(KVStoreError, ConnectionError):
     """A server could not be reached, or closed its connection while requests were pending."""
 
 
+class AuthenticationError(KVStoreError, ConnectionError):
+    """A server refused this worker's credentials, or the two sides' security settings differ.
+
+    Raised by the call that connects (``kvstore.create``) when the CURVE handshake with a
+    server fails: the worker's client key is not the job's, its server public key is not the
+    server's, or only one side has keys (see ``KVSTORE_AUTH_DIR``). Nothing reached the server.
+    """
+
+
+class ServerLostError(ConnectionLostError):
+    """A server died, stalled or became unreachable during a job.
+
+    Raised by every call that waits on it (and at once by later calls that need it) once it
+    closed its connection or sent nothing for ``KVSTORE_HEARTBEAT_TIMEOUT`` seconds.
+
+    Attributes:
+        server: the lost server's rank (None where unknown).
+        address: its address (``""`` where unknown).
+    """
+
+    def __init__(self, message: str, server: int | None = None, address: str = "") -> None:
+        super().__init__(message)
+        self.server = server
+        self.address = address
+
+
+class WorkerLostError(KVStoreError, ConnectionError):
+    """Another worker of the job died or stalled, and this call needed it.
+
+    A server declares a worker lost when it heard nothing from it for
+    ``KVSTORE_HEARTBEAT_TIMEOUT`` seconds; every request that waits on it (a ``dist_sync``
+    round, a barrier, an init waiting for rank 0, ``set_optimizer``) then fails with this
+    error, and so do later ones until a replacement took the rank back.
+
+    Attributes:
+        rank: the lost worker's rank (None where unknown).
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class CheckpointError(KVStoreError):
+    """A checkpoint that cannot be saved or loaded: incomplete, corrupted, of a newer format,
+    or of another job (different workers, servers, keys, compression or optimizer)."""
+
+
 class ErrorCode(StrEnum):
     """Stable error codes carried by ``ERROR`` replies on the wire."""
 
@@ -94,6 +148,9 @@ class ErrorCode(StrEnum):
     OPTIMIZER = "optimizer"
     NO_OPTIMIZER = "no_optimizer"
     WRONG_SERVER = "wrong_server"
+    MESSAGE_LIMIT = "message_limit"
+    WORKER_LOST = "worker_lost"
+    CHECKPOINT = "checkpoint"
     INTERNAL = "internal"
 
 
@@ -103,6 +160,7 @@ _CODE_TO_CLASS: dict[str, type[KVStoreError]] = {
     ErrorCode.MODE_MISMATCH: ConfigError,
     ErrorCode.DUPLICATE_RANK: ConfigError,
     ErrorCode.WRONG_SERVER: ConfigError,
+    ErrorCode.MESSAGE_LIMIT: ConfigError,
     ErrorCode.NOT_INITIALIZED: KeyNotInitializedError,
     ErrorCode.DUPLICATE_INIT: DuplicateInitError,
     ErrorCode.SPEC_MISMATCH: ValueMismatchError,
@@ -110,19 +168,26 @@ _CODE_TO_CLASS: dict[str, type[KVStoreError]] = {
     ErrorCode.CODEC: CodecError,
     ErrorCode.OPTIMIZER: OptimizerError,
     ErrorCode.NO_OPTIMIZER: UsageError,
+    ErrorCode.CHECKPOINT: CheckpointError,
+    ErrorCode.WORKER_LOST: WorkerLostError,
 }
 
 
-def error_from_code(code: str, message: str, server: str = "") -> KVStoreError:
+def error_from_code(
+    code: str, message: str, server: str = "", lost_rank: int | None = None
+) -> KVStoreError:
     """Build the exception a worker raises for a server's ``ERROR`` reply.
 
     Args:
         code: the reply's error code.
         message: the reply's message.
         server: a short description of the server (``"server 1 (tcp://...)"``) to prefix.
+        lost_rank: the worker rank a ``worker_lost`` reply names.
     """
     text = f"{server}: {message}" if server else message
     cls = _CODE_TO_CLASS.get(code)
     if cls is None:
         return RemoteError(code, text)
+    if cls is WorkerLostError:
+        return WorkerLostError(text, lost_rank)
     return cls(text)

@@ -4,6 +4,8 @@ The server is the real :class:`~kvstore.server.ShardServer` (same decode, aggreg
 and validation code as a distributed job) running on its own event loop in a daemon thread, and
 the client talks to it through ZeroMQ's in-process transport, which passes frames by reference.
 So ``local`` gives exactly the results of a one-worker ``dist_sync`` job, in one process.
+It uses no CURVE keys (:mod:`kvstore.auth`): an in-process connection has no handshake and
+nothing outside the process can reach it, so keys in the environment are ignored here.
 """
 
 from __future__ import annotations

@@ -119,6 +119,8 @@ _REQUEST_OPS = (
     Op.BARRIER,
     Op.SET_OPTIMIZER,
     Op.BYE,
+    Op.SAVE,
+    Op.LOAD,
 )
 _INVALID = 0  # the traffic slot of messages without a known op (no Op has the value 0)
 _OP_LABELS = {int(op): op.name.lower() for op in Op} | {_INVALID: "invalid"}

@@ -259,6 +259,30 @@ def partition_elems_for(partition_bytes: int, itemsize: int) -> int:
     return max(WORD_ELEMS, elems // WORD_ELEMS * WORD_ELEMS)
 
 
+def max_chunk_elems(partition_elems: int) -> int:
+    """The longest chunk :func:`plan_chunks` makes with ``partition_elems``: a partition, plus
+    the up to 15 elements past a slice's last 16-element boundary that its last chunk takes."""
+    return partition_elems + WORD_ELEMS - 1
+
+
+VALUE_ITEMSIZES = (2, 4, 8)
+"""Bytes per element of the value dtypes (float16; float32, int32; float64, int64)."""
+
+
+def max_payload_bytes(partition_bytes: int) -> int:
+    """The largest payload frame a worker with this ``KVSTORE_PARTITION_BYTES`` sends.
+
+    That is the longest chunk's values in the widest dtype: an ``INIT`` carries a chunk's
+    values, a dense push too, and every codec's payload of a chunk is at most as large (2-bit:
+    a sixteenth; a codec whose payload could be larger must raise this bound). Servers derive
+    their message size limit from it (``KVSTORE_MAX_MESSAGE_BYTES``), before any key exists.
+    """
+    return max(
+        max_chunk_elems(partition_elems_for(partition_bytes, size)) * size
+        for size in VALUE_ITEMSIZES
+    )
+
+
 def plan_chunks(
     key: Key,
     numel: int,

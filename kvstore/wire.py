@@ -41,6 +41,13 @@ the payload frames equal what the header declares. Anything else raises
 the key initialised, does the payload size fit the codec) are the server's, and also happen
 before any state changes.
 
+Whatever a peer sends, :func:`decode` raises :class:`~kvstore.errors.ProtocolError` and nothing
+else (values are type-checked before any set lookup or comparison), a header over
+:data:`MAX_HEADER_BYTES` is refused by its length without being unpacked, and
+:func:`peek_request_id` reads a bad message's id from a bounded prefix, so that every malformed
+message can be answered. :func:`error` cuts texts to :data:`MAX_TEXT` characters, so an error
+reply is always valid.
+
 Changing the bytes of any message (see the golden tests) requires bumping
 :data:`PROTOCOL_VERSION`.
 """
@@ -58,13 +65,17 @@ import zmq
 
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_KEY_LENGTH = 1024
 MAX_NDIM = 32
 MAX_PARAMS = 64
 MAX_ACKS = 65536
+MAX_TEXT = 4096
+"""Longest str field (codec and optimizer names, error messages); :func:`error` truncates."""
+PEEK_BYTES = 256
+""":func:`peek_request_id` reads the request id from at most this many leading header bytes."""
 
 LANE_DATA = 0
 """The connection that carries pushes and inits (bulk payloads)."""
@@ -93,11 +104,21 @@ class Op(IntEnum):
     BARRIER = 6
     SET_OPTIMIZER = 7
     BYE = 8
+    PING = 9
+    SAVE = 10
+    LOAD = 11
     REPLY = 16
     ERROR = 17
 
 
 # Field validators --------------------------------------------------------------------------
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: error texts quote what a peer sent, and a
+    peer may send a 60 KiB list where a dtype name belongs."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
 
 
 def _check_key(name: str, value: Any) -> None:
@@ -117,24 +138,30 @@ def _check_key(name: str, value: Any) -> None:
 
 def _check_uint(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT64_MAX:
-        raise ProtocolError(f"field {name!r} must be a non-negative int, got {value!r}")
+        raise ProtocolError(f"field {name!r} must be a non-negative int, got {_show(value)}")
 
 
 def _check_str(name: str, value: Any) -> None:
-    if not isinstance(value, str) or len(value) > 4096:
+    if not isinstance(value, str):
         raise ProtocolError(f"field {name!r} must be a str, got {type(value).__name__}")
+    if len(value) > MAX_TEXT:
+        raise ProtocolError(f"field {name!r} is longer than {MAX_TEXT} characters")
+
+
+# The membership tests below come after a type test: ``value in frozenset`` raises TypeError
+# for an unhashable value (a msgpack array or map), which would escape as an unexpected error.
 
 
 def _check_dtype(name: str, value: Any) -> None:
-    if value not in DTYPES:
+    if type(value) is not str or value not in DTYPES:
         raise ProtocolError(
-            f"field {name!r}: dtype {value!r} is not allowed; allowed: {sorted(DTYPES)}"
+            f"field {name!r}: dtype {_show(value)} is not allowed; allowed: {sorted(DTYPES)}"
         )
 
 
 def _check_mode(name: str, value: Any) -> None:
-    if value not in MODES:
-        raise ProtocolError(f"field {name!r}: mode {value!r} is not one of {sorted(MODES)}")
+    if type(value) is not str or value not in MODES:
+        raise ProtocolError(f"field {name!r}: mode {_show(value)} is not one of {sorted(MODES)}")
 
 
 def _check_shape(name: str, value: Any) -> None:
@@ -142,7 +169,7 @@ def _check_shape(name: str, value: Any) -> None:
         raise ProtocolError(f"field {name!r} must be a list of at most {MAX_NDIM} dimensions")
     for dim in value:
         if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim <= _INT64_MAX:
-            raise ProtocolError(f"field {name!r}: dimension {dim!r} is not a non-negative int")
+            raise ProtocolError(f"field {name!r}: dimension {_show(dim)} is not a non-negative int")
 
 
 def _check_rids(name: str, value: Any) -> None:
@@ -153,8 +180,10 @@ def _check_rids(name: str, value: Any) -> None:
 
 
 def _check_lane(name: str, value: Any) -> None:
-    if value not in (LANE_DATA, LANE_CONTROL):
-        raise ProtocolError(f"field {name!r}: lane {value!r} is not {LANE_DATA} or {LANE_CONTROL}")
+    if type(value) is not int or value not in (LANE_DATA, LANE_CONTROL):  # (not 1.0 or True)
+        raise ProtocolError(
+            f"field {name!r}: lane {_show(value)} is not {LANE_DATA} or {LANE_CONTROL}"
+        )
 
 
 def _check_params(name: str, value: Any) -> None:
@@ -165,7 +194,7 @@ def _check_params(name: str, value: Any) -> None:
             raise ProtocolError(f"field {name!r}: parameter names must be str")
         if v is not None and not isinstance(v, bool | int | float | str):
             raise ProtocolError(
-                f"field {name!r}: parameter {k!r} has unsupported type {type(v).__name__}"
+                f"field {name!r}: parameter {_show(k)} has unsupported type {type(v).__name__}"
             )
 
 
@@ -190,6 +219,9 @@ SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
         ("si", UINT, True),  # the server rank this worker expects at this address
         ("m", MODE, True),  # mode
         ("ln", LANE, True),  # which of the worker's two connections this is
+        # the worker's KVSTORE_PARTITION_BYTES, which bounds its largest message (the server
+        # refuses a worker whose messages could exceed its limit: kvstore.topology)
+        ("pb", UINT, False),
     ),
     Op.INIT: (
         ("k", KEY, True),
@@ -209,10 +241,21 @@ SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
     Op.BARRIER: (),
     Op.SET_OPTIMIZER: (("opt", STR, True), ("hp", PARAMS, True)),
     Op.BYE: (),
+    # A worker's heartbeat (see kvstore.worker.transport): answered with an empty REPLY.
+    Op.PING: (),
+    # Checkpoints (collective, see kvstore.checkpoint): "p" the directory the server writes its
+    # shard into (SAVE: the staging directory) or reads it from (LOAD); "ph" the LOAD phase
+    # (0: read and check, 1: commit, 2: abort); "er": this worker could not do its own part
+    # (the server then refuses the whole collective, naming the rank and this text).
+    Op.SAVE: (("p", STR, True), ("er", STR, False)),
+    Op.LOAD: (("p", STR, True), ("ph", UINT, True), ("er", STR, False)),
     # "ak": ids of push requests this (value) reply also acknowledges
     # "rl": the value is relayed: the payloads are those of this many pushes, to decode and sum
-    Op.REPLY: (("sr", UINT, False), ("ak", RIDS, False), ("rl", UINT, False)),
-    Op.ERROR: (("code", STR, True), ("msg", STR, True)),
+    # "hb": (to a HELLO) the server's heartbeat timeout in ms (absent: off); the worker pings it
+    # often enough for it, whatever its own setting
+    Op.REPLY: (("sr", UINT, False), ("ak", RIDS, False), ("rl", UINT, False), ("hb", UINT, False)),
+    # "lr": the worker rank that was lost (code "worker_lost")
+    Op.ERROR: (("code", STR, True), ("msg", STR, True), ("lr", UINT, False)),
 }
 
 # Ops whose payload frame count is fixed by the protocol (others depend on the codec).
@@ -223,6 +266,9 @@ _PAYLOAD_COUNT: dict[Op, tuple[int, ...]] = {
     Op.BARRIER: (0,),
     Op.SET_OPTIMIZER: (0,),
     Op.BYE: (0,),
+    Op.PING: (0,),
+    Op.SAVE: (0,),
+    Op.LOAD: (0,),
     Op.ERROR: (0,),
 }
 
@@ -384,31 +430,44 @@ def encode(
 def decode(frames: Sequence[Any]) -> Message:
     """Validate and decode one message (without the ROUTER identity frame).
 
+    A header over :data:`MAX_HEADER_BYTES` is refused by its length, before anything reads it.
+
     Raises:
-        ProtocolError: naming the first thing wrong with the message.
+        ProtocolError: naming the first thing wrong with the message (whatever the header
+            holds: no other exception escapes).
     """
     if not frames:
         raise ProtocolError("empty message: expected a header frame")
+    size = buffer_nbytes(frames[0])
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {size} bytes exceeds the {MAX_HEADER_BYTES} limit")
     raw = _header_bytes(frames[0])
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES} limit")
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"header is not valid msgpack: {exc}") from exc
+        raise ProtocolError(f"header is not valid msgpack: {_show(exc, 200)}") from exc
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    try:
+        return _decode_header(header, frames)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a validator missed an odd value: still a bad message, not a crash
+        raise ProtocolError(f"malformed header: {type(exc).__name__}: {_show(exc, 200)}") from exc
+
+
+def _decode_header(header: dict[Any, Any], frames: Sequence[Any]) -> Message:
+    """The checks of :func:`decode` after the header was unpacked into a map."""
     version = header.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"protocol version {version!r} is not supported (this side speaks version "
+            f"protocol version {_show(version)} is not supported (this side speaks version "
             f"{PROTOCOL_VERSION}); run the same pskv version on workers and servers"
         )
     raw_op = header.get("op")
-    try:
-        op = _OPS[raw_op]
-    except (KeyError, TypeError):  # TypeError: an unhashable value
-        raise ProtocolError(f"unknown op {raw_op!r}") from None
+    op = _OPS.get(raw_op) if type(raw_op) is int else None  # (not True, 1.0 or a list)
+    if op is None:
+        raise ProtocolError(f"unknown op {_show(raw_op)}")
     rid = header.get("id")
     if not _is_uint(rid):
         _check_uint("id", rid)
@@ -435,8 +494,9 @@ def decode(frames: Sequence[Any]) -> Message:
     _copy_fields(op, header, fields)
     # v, op, id and nb are present (checked above), so any other key is one too many.
     if len(header) != 4 + len(fields):
-        unknown = set(header) - {"v", "op", "id", "nb"} - set(fields)
-        raise ProtocolError(f"{op.name}: unknown fields {sorted(unknown)}")
+        # (key=repr: the keys may mix str and bytes, which do not compare)
+        unknown = sorted(set(header) - {"v", "op", "id", "nb"} - set(fields), key=repr)
+        raise ProtocolError(f"{op.name}: unknown fields {_show(unknown, 200)}")
     return Message(op=op, rid=rid, fields=fields, payloads=payloads)
 
 
@@ -445,19 +505,38 @@ def reply(rid: int, fields: dict[str, Any] | None = None, payloads: Sequence[Any
     return encode(Op.REPLY, rid, fields, payloads)
 
 
-def error(rid: int, code: str, message: str) -> list:
-    """Frames of an ERROR reply to request ``rid``."""
-    return encode(Op.ERROR, rid, {"code": str(code), "msg": message})
+def error(rid: int, code: str, message: str, lost_rank: int | None = None) -> list:
+    """Frames of an ERROR reply to request ``rid`` (``lost_rank``: the worker rank a
+    ``worker_lost`` error names)."""
+    if len(message) > MAX_TEXT:  # (a message quoting long keys must not make the reply invalid)
+        message = message[: MAX_TEXT - 16] + " ... (truncated)"
+    fields: dict[str, Any] = {"code": str(code), "msg": message}
+    if lost_rank is not None:
+        fields["lr"] = lost_rank
+    return encode(Op.ERROR, rid, fields)
 
 
 def peek_request_id(frames: Sequence[Any]) -> int:
     """Best-effort request id of a message that failed validation (0 when unreadable).
 
-    Lets the server address its error reply to the request the worker is waiting on.
+    Lets the server address its error reply to the request the worker is waiting on. Reads
+    only the first :data:`PEEK_BYTES` bytes of the header and the first entries of its map
+    (:func:`encode` puts ``id`` third), so a huge or hostile header costs no more than a small
+    one: it is never unpacked as a whole.
     """
     try:
-        header = msgpack.unpackb(_header_bytes(frames[0]), raw=False, strict_map_key=False)
-        rid = header.get("id", 0) if isinstance(header, dict) else 0
-        return rid if isinstance(rid, int) and 0 <= rid <= _INT64_MAX else 0
-    except Exception:
+        first = frames[0]
+        if isinstance(first, bytes):
+            prefix = first[:PEEK_BYTES]
+        else:  # a zmq.Frame (its buffer) or any other buffer: slice without copying it all
+            prefix = memoryview(getattr(first, "buffer", first)).cast("B")[:PEEK_BYTES].tobytes()
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=PEEK_BYTES)
+        unpacker.feed(prefix)
+        for _ in range(min(unpacker.read_map_header(), 8)):
+            if unpacker.unpack() == "id":
+                rid = unpacker.unpack()
+                return rid if type(rid) is int and 0 <= rid <= _INT64_MAX else 0
+            unpacker.skip()
+        return 0
+    except Exception:  # not a map, cut off by the prefix, anything else: no id
         return 0

@@ -1,8 +1,13 @@
 """``kvstore-server``: run one shard server until SIGTERM or SIGINT.
 
 Once bound it prints exactly one line, ``KVSTORE_READY tcp://HOST:PORT``, on stdout. With
+``--stop-on-stdin-eof`` (``kvstore-launch`` passes it, with a pipe that only it holds open as
+stdin) it also stops when its stdin reaches end of file: when the launcher is gone, even killed
+with SIGKILL, its servers do not run on as orphans. With
 ``KVSTORE_METRICS_PORT`` set it also serves Prometheus metrics (:mod:`kvstore.metrics`; server I
-on port ``P + I``) and logs their URL at INFO.
+on port ``P + I``) and logs their URL at INFO. With the job's CURVE keys (``KVSTORE_AUTH_DIR``
+or ``KVSTORE_AUTH_*_KEY``, :mod:`kvstore.auth`) it admits only the job's workers, encrypted;
+without them it accepts any worker and logs a warning saying so.
 """
 
 from __future__ import annotations
@@ -10,13 +15,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
 
 from kvstore import _logging
 from kvstore._malloc import tune_malloc
-from kvstore.config import ServerConfig, metrics_config_from_env, server_threads_from_env
+from kvstore.config import (
+    ServerConfig,
+    curve_keys_from_env,
+    heartbeat_timeout_from_env,
+    max_message_bytes_from_env,
+    metrics_config_from_env,
+    partition_bytes_from_env,
+    server_threads_from_env,
+)
 from kvstore.errors import ConfigError
 from kvstore.server.server import ShardServer
 
@@ -24,6 +39,11 @@ READY_PREFIX = "KVSTORE_READY"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
+    return parse_command_line(argv)[0]
+
+
+def parse_command_line(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
+    """The server's settings, and whether it stops when its stdin reaches end of file."""
     parser = argparse.ArgumentParser(
         prog="kvstore-server", description="Run one kvstore shard server."
     )
@@ -38,6 +58,19 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
         default=None,
         help="decode/aggregate/optimizer threads (default: KVSTORE_SERVER_THREADS or min(4, CPUs))",
     )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="largest frame accepted (default: KVSTORE_MAX_MESSAGE_BYTES, or the largest chunk "
+        "of KVSTORE_PARTITION_BYTES)",
+    )
+    parser.add_argument(
+        "--stop-on-stdin-eof",
+        action="store_true",
+        help="stop when stdin reaches end of file (kvstore-launch passes a pipe that it "
+        "holds: its servers stop when it is gone)",
+    )
     args = parser.parse_args(argv)
     try:
         threads = args.threads if args.threads is not None else server_threads_from_env()
@@ -49,18 +82,51 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
             num_workers=args.num_workers,
             threads=threads,
             metrics=metrics_config_from_env(),
-        )
+            partition_bytes=partition_bytes_from_env(),
+            max_message_bytes=(
+                args.max_message_bytes
+                if args.max_message_bytes is not None
+                else max_message_bytes_from_env()
+            ),
+            heartbeat_timeout=heartbeat_timeout_from_env(),
+            curve=curve_keys_from_env("server"),
+        ), args.stop_on_stdin_eof
     except ConfigError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
 
 
-async def serve(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; print the READY line once bound."""
+def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Set ``stop`` when stdin reaches end of file (its writer, the launcher, is gone)."""
+    fd = 0  # (not sys.stdin, which may hold a buffered read of it)
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            logging.getLogger("kvstore.server").warning(
+                "stdin closed: the launcher that started this server is gone; stopping"
+            )
+            stop.set()
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
+
+
+async def serve(config: ServerConfig, *, stop_on_stdin_eof: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT (or, with ``stop_on_stdin_eof``, until stdin is closed);
+    print the READY line once bound."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if stop_on_stdin_eof:
+        _watch_stdin(loop, stop)
     server = ShardServer(config)
     try:
         address = await server.start()
@@ -82,15 +148,15 @@ async def serve(config: ServerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_args(argv)
+    config, stop_on_stdin_eof = parse_command_line(argv)
     _logging.configure(f"server {config.server_rank}", default_level="INFO")
     tune_malloc()
     try:
         import uvloop  # noqa: PLC0415
 
-        return uvloop.run(serve(config))
+        return uvloop.run(serve(config, stop_on_stdin_eof=stop_on_stdin_eof))
     except ImportError:  # uvloop is not available on every platform
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(config, stop_on_stdin_eof=stop_on_stdin_eof))
 
 
 if __name__ == "__main__":

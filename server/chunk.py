@@ -140,6 +140,68 @@ class ChunkState:
         self.master = None if wire.dtype == acc else wire.astype(acc)
         self.value = PublishedValue(wire)
 
+    def busy(self) -> str | None:
+        """What is in flight on this chunk (a round, deferred pushes, waiting requests, work
+        holding its lock), or None when it is quiescent: its state is then what the next round
+        starts from, which is what a checkpoint saves."""
+        if self.round_ranks or self.accumulated or self.deferred:
+            ranks = sorted(self.round_ranks | {d.reply.rank for d in self.deferred})
+            return f"{self.spec.name} has a round in flight (pushes of rank(s) {ranks})"
+        if self.init_waiters:
+            return f"{self.spec.name} is being initialised"
+        if self.pull_waiters:
+            return f"{self.spec.name} has pulls waiting for pushes"
+        if self.lock.locked():
+            return f"{self.spec.name} is being updated"
+        return None
+
+    def checkpoint_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The chunk's state for a checkpoint: arrays (the live ones, not copies: save while the
+        chunk's lock is held) and JSON metadata.
+
+        Arrays: ``value`` (the published value, the key's dtype), ``master`` (the accumulator
+        copy of a float16 key), ``opt.NAME`` (the optimizer's arrays). The aggregator carries
+        nothing from one round to the next, so it is not saved.
+        """
+        assert self.value is not None
+        arrays = {"value": self.value.current}
+        if self.master is not None:
+            arrays["master"] = self.master
+        meta: dict[str, Any] = {"updates": self.updates, "optimizer": None, "scalars": {}}
+        if self.optimizer_name is not None and self.optimizer_state is not None:
+            # Arrays and integer counters (Adam's step count); entries not made yet (SGD's
+            # momentum before its first update with momentum) are None and left out.
+            meta["optimizer"] = self.optimizer_name
+            for name, entry in self.optimizer_state.items():
+                if isinstance(entry, np.ndarray):
+                    arrays[f"opt.{name}"] = entry
+                elif isinstance(entry, int):
+                    meta["scalars"][name] = entry
+        return arrays, meta
+
+    def restore(
+        self,
+        arrays: dict[str, np.ndarray],
+        state: dict[str, Any] | None,
+        meta: dict[str, Any],
+        out: np.ndarray,
+    ) -> None:
+        """Make the chunk's state the saved one (after :meth:`busy` said it is quiescent, with
+        its lock held; runs on an executor thread). ``arrays`` were checked against the spec;
+        ``state`` is the optimizer state rebuilt by ``Optimizer.import_state`` (None: none).
+
+        The saved value goes into ``out``, a spare from ``value.spare()`` that the caller
+        publishes afterwards on the loop thread (a reply in flight keeps reading the old one);
+        the master copy is overwritten in place.
+        """
+        np.copyto(out, arrays["value"], casting="no")
+        if self.master is not None:
+            np.copyto(self.master, arrays["master"], casting="no")
+        self.relay = None  # the value is no longer the sum of the last round's pushes
+        self.optimizer_name = meta["optimizer"] if state is not None else None
+        self.optimizer_state = state
+        self.updates = int(meta["updates"])
+
     def apply_update(self, grad: np.ndarray, optimizer: Optimizer | None, out: np.ndarray) -> None:
         """Write the value after this round into ``out`` (runs on an executor thread).
 

@@ -136,6 +136,46 @@ class Optimizer(ABC):
             state: this chunk's state from :meth:`new_state`; updated in place.
         """
 
+    def import_state(
+        self,
+        arrays: dict[str, np.ndarray],
+        scalars: dict[str, Any],
+        numel: int,
+        dtype: np.dtype,
+        what: str,
+    ) -> dict[str, Any]:
+        """Rebuild a chunk's state from a checkpoint: its arrays and integer counters (as
+        ``ChunkState.checkpoint_state`` saves them; arrays are copied).
+
+        Raises:
+            OptimizerError: names, lengths or dtypes that are not this optimizer's state.
+        """
+        fresh = self.new_state(numel, dtype)
+        unknown = (set(arrays) | set(scalars)) - set(fresh)
+        if unknown:
+            raise OptimizerError(f"{what}: {self.name} keeps no state named {sorted(unknown)}")
+        state: dict[str, Any] = {}
+        for name, default in fresh.items():
+            if isinstance(default, int):  # a counter: required
+                value = scalars.get(name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise OptimizerError(f"{what}: {self.name} state {name!r} is {value!r}")
+                state[name] = value
+                continue
+            saved = arrays.get(name)
+            if saved is None:
+                if default is not None:  # made with the state: required
+                    raise OptimizerError(f"{what}: {self.name} state {name!r} is missing")
+                state[name] = None  # made on first use (SGD's momentum)
+                continue
+            if saved.shape != (numel,) or saved.dtype != dtype:
+                raise OptimizerError(
+                    f"{what}: {self.name} state {name!r} is {saved.dtype}{list(saved.shape)}, "
+                    f"expected {np.dtype(dtype)}[{numel}]"
+                )
+            state[name] = np.array(saved, copy=True)
+        return state
+
     def _scalars(self, dtype: np.dtype, *names: str) -> list[Any]:
         cast = dtype.type
         return [cast(self.spec[name]) for name in names]

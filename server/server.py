@@ -6,6 +6,10 @@ Request handling (all on the loop thread, never blocking it):
   (``add_reader``); each wake-up drains a batch of messages without blocking, and replies are
   sent directly, without per-message futures (ZeroMQ's descriptor is edge-triggered, so the
   loop looks for input again after every send);
+* ZeroMQ takes in at most :data:`RECV_QUEUE` messages per connection ahead of the loop
+  (backpressure beyond) and drops a connection that sends a frame over the message limit
+  (``KVSTORE_MAX_MESSAGE_BYTES``, by default the largest chunk of the workers' partition size,
+  which each worker announces in its HELLO and is refused if it exceeds);
 * every inbound message is decoded and validated by :func:`kvstore.wire.decode`, then checked
   against the server's state (session, key, chunk spec, payload sizes) *before* anything changes;
   a bad message gets an ``ERROR`` reply with a stable code, is logged, and everyone else is served
@@ -43,6 +47,11 @@ answered when all N workers made the same call (with equal optimizer arguments).
 When every worker of a job has said goodbye, the server forgets the job (keys, optimizer, mode)
 and serves the next one.
 
+With a heartbeat timeout (``KVSTORE_HEARTBEAT_TIMEOUT``) the server notes when it last heard
+from each rank (any message counts; workers ping when they have nothing else to say) and, every
+fraction of the timeout, declares the silent ones lost: their rank is released for a
+replacement, and what waits on them fails with ``WORKER_LOST`` ("lost workers" below).
+
 With ``config.metrics`` (``KVSTORE_METRICS_PORT``) the server serves Prometheus metrics
 (:mod:`kvstore.metrics`): it counts each message and reply, each error and each round's
 duration; queue depths are read from its state when scraped. Without, ``self._metrics`` is None
@@ -52,6 +61,7 @@ and each of those places costs one comparison.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import socket
@@ -64,16 +74,27 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvstore import wire
+from kvstore import auth, checkpoint, wire
 from kvstore.codecs import codec_from_spec
 from kvstore.codecs.base import frame_array
-from kvstore.config import ServerConfig
-from kvstore.errors import CodecError, ErrorCode, OptimizerError, ProtocolError
+from kvstore.config import ServerConfig, heartbeat_interval
+from kvstore.errors import (
+    CheckpointError,
+    CodecError,
+    ConfigError,
+    ErrorCode,
+    OptimizerError,
+    ProtocolError,
+)
+from kvstore.heartbeat import Liveness
 from kvstore.metrics import ServerMetrics, frames_nbytes
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
+from kvstore.server import checkpointing
+from kvstore.server.checkpointing import StagedLoad
 from kvstore.server.chunk import ChunkSpec, ChunkState, Deferred, PendingReply, PullWaiter
 from kvstore.server.inline import InlineRunner
 from kvstore.server.optimizers import Optimizer, make_optimizer
+from kvstore.topology import max_payload_bytes
 from kvstore.wire import Message, Op
 from kvstore.zerocopy import ZeroCopySender
 
@@ -95,13 +116,47 @@ several threads at once."""
 DRAIN_BATCH = 256
 """Messages handled per wake-up before other callbacks get a turn."""
 
+RECV_QUEUE = 16
+"""Messages per connection that ZeroMQ receives ahead of the server (``ZMQ_RCVHWM``).
+
+On a ROUTER's inbound side a full queue is backpressure, not loss: libzmq stops reading that
+connection until the server has taken some of its messages, and TCP then holds the sender back.
+So what ZeroMQ buffers for one connection is at most this many messages of at most
+``max_message_bytes`` per frame (a legitimate message has one header and at most one payload
+frame: about 65 MiB with the default limit), instead of everything a peer cares to send
+(the limit 0 used to mean "unbounded": 1.09 GiB from 5 strangers took a server to 1.42 GB).
+The server drains its socket whenever it is readable, so a legitimate worker's pushes wait here
+only while the server is busy, and 16 chunks are more work than one drain does."""
+
+MAX_RELEASED = 1024
+"""Sessions of lost workers remembered (to tell one that wakes up why it is not served)."""
+
+LANES = (wire.LANE_DATA, wire.LANE_CONTROL)
+
 
 class RequestError(Exception):
-    """A request the server refuses; becomes an ERROR reply with ``code``."""
+    """A request the server refuses; becomes an ERROR reply with ``code`` (and, for
+    ``WORKER_LOST``, the lost worker's rank)."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, lost_rank: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.lost_rank = lost_rank
+
+
+@dataclass
+class _CheckpointCall:
+    """A collective SAVE or LOAD (phase) being gathered from the workers."""
+
+    op: Op
+    phase: int
+    path: str
+    replies: dict[int, PendingReply] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)  # ranks that could not do their part
+
+    def describe(self) -> str:
+        what = "save_checkpoint" if self.op is Op.SAVE else f"load_checkpoint (phase {self.phase})"
+        return f"{what} of {self.path}"
 
 
 @dataclass
@@ -116,6 +171,17 @@ class _Job:
     optimizer: Optimizer | None = None
     proposals: dict[int, tuple[OptimizerSpec, PendingReply]] = field(default_factory=dict)
     barrier: dict[int, PendingReply] = field(default_factory=dict)
+    # checkpoints: the collective SAVE/LOAD being gathered, whether one is being carried out,
+    # and a load read and checked by its first phase, waiting for its commit
+    checkpoint: _CheckpointCall | None = None
+    checkpoint_busy: bool = False
+    staged_load: StagedLoad | None = None
+    # Lost workers (see "lost workers" below): rank -> why; ranks taken back by a replacement
+    # that has not called set_optimizer yet; requests already answered with WORKER_LOST whose
+    # push stays in its round, as (identity, request id).
+    lost: dict[int, str] = field(default_factory=dict)
+    rejoined: set[int] = field(default_factory=set)
+    failed: set[tuple[bytes, int]] = field(default_factory=set)
 
 
 def _peer(identity: bytes) -> str:
@@ -143,6 +209,7 @@ class ShardServer:
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
         self._socket: zmq.Socket | None = None
+        self._zap: auth.ZapHandler | None = None  # with CURVE keys: admits the job's workers
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
         self._drain_scheduled = False
@@ -155,6 +222,25 @@ class ShardServer:
         self._job = _Job()
         self._metrics: ServerMetrics | None = None
         self.address: str | None = None
+        # The largest frame accepted (ZMQ_MAXMSGSIZE); None in-process, where no stranger
+        # can send and libzmq would not check it anyway.
+        self._max_message: int | None = None
+        if not (config.bind or "").startswith("inproc://"):
+            self._max_message = config.max_message_bytes or max(
+                wire.MAX_HEADER_BYTES, max_payload_bytes(config.partition_bytes)
+            )
+        # Heartbeats: when each rank of the job was last heard from (None: off), the time of
+        # the current drain (every message of a drain counts as heard then), the check's timer,
+        # and the sessions released because their worker was lost (identity -> rank), newest
+        # last, so that a stalled worker that wakes up is told why it is no longer served.
+        self._liveness: Liveness | None = None
+        if config.heartbeat_timeout > 0:
+            period = heartbeat_interval(config.heartbeat_timeout) / 2
+            self._liveness = Liveness(config.heartbeat_timeout, period)
+        self._heard = self._liveness.heard if self._liveness is not None else None
+        self._heard_at = 0.0
+        self._beat_timer: asyncio.TimerHandle | None = None
+        self._released: dict[bytes, int] = {}
         self._handlers: dict[Op, Callable[[bytes, int, Message], None]] = {
             Op.INIT: self._on_init,
             Op.PUSH: self._on_push,
@@ -163,6 +249,9 @@ class ShardServer:
             Op.BARRIER: self._on_barrier,
             Op.SET_OPTIMIZER: self._on_set_optimizer,
             Op.BYE: self._on_bye,
+            Op.SAVE: self._on_checkpoint,
+            Op.LOAD: self._on_checkpoint,
+            Op.PING: self._on_ping,
         }
 
     # lifecycle -------------------------------------------------------------------------------
@@ -174,13 +263,25 @@ class ShardServer:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises, never vanishes
         sock.setsockopt(zmq.SNDHWM, 0)  # replies are never dropped
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, RECV_QUEUE)  # backpressure per connection, see RECV_QUEUE
+        if self._max_message is not None:
+            # A larger frame drops its connection before libzmq allocates it. With CURVE the
+            # limit applies to the encrypted frame, a fixed overhead larger.
+            overhead = auth.CURVE_MESSAGE_OVERHEAD if self.config.curve is not None else 0
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message + overhead)
         sock.setsockopt(zmq.LINGER, 0)
         cfg = self.config
         if cfg.metrics is not None:  # first: a failure leaves nothing to undo
             self._metrics = ServerMetrics(cfg.metrics, cfg.server_rank)
             self._metrics.watch_queues(self._queue_depths)
         try:
+            if cfg.curve is not None and not (cfg.bind or "").startswith("inproc://"):
+                # Before the bind: without a ZAP handler libzmq admits any CURVE client.
+                self._zap = auth.ZapHandler(
+                    self._context, cfg.curve.peer_key, f"server {cfg.server_rank}"
+                )
+                self._zap.start()
+                auth.secure_server(sock, cfg.curve)
             if cfg.bind is not None:
                 sock.bind(cfg.bind)
                 self.address = cfg.bind
@@ -191,9 +292,12 @@ class ShardServer:
                 port = int(bound.rsplit(":", 1)[1])
                 host = cfg.host if cfg.host not in ("0.0.0.0", "*", "") else socket.getfqdn()
                 self.address = f"tcp://{host}:{port}"
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError, ConfigError) as exc:
             sock.close(0)
             self._close_metrics()
+            self._stop_zap()
+            if not isinstance(exc, zmq.ZMQError):
+                raise
             raise OSError(
                 f"server {cfg.server_rank} cannot bind {cfg.host}:{cfg.port}: {exc}"
             ) from exc
@@ -202,6 +306,8 @@ class ShardServer:
         self._fd = sock.getsockopt(zmq.FD)
         self._loop.add_reader(self._fd, self._drain)
         self._schedule_drain()  # messages may have arrived before the reader was added
+        if self._liveness is not None:
+            self._beat_timer = self._loop.call_later(self._liveness.period, self._check_workers)
         logger.info(
             "server %d/%d serving %d worker(s) on %s with %d thread(s)",
             cfg.server_rank,
@@ -210,10 +316,26 @@ class ShardServer:
             self.address,
             cfg.threads,
         )
+        if self._zap is not None:
+            logger.info(
+                "server %d admits only workers with the job's CURVE keys (connections encrypted)",
+                cfg.server_rank,
+            )
+        elif not self.address.startswith("inproc://"):
+            logger.warning(
+                "server %d accepts any worker that can reach %s: it has no CURVE keys "
+                "(KVSTORE_AUTH_DIR or KVSTORE_AUTH_*_KEY; kvstore-launch makes them unless "
+                "--no-auth); run it on a trusted network only",
+                cfg.server_rank,
+                self.address,
+            )
         return self.address
 
     async def stop(self) -> None:
         """Stop serving, close the socket and the thread pool."""
+        if self._beat_timer is not None:
+            self._beat_timer.cancel()
+            self._beat_timer = None
         if self._fd is not None and self._loop is not None:
             self._loop.remove_reader(self._fd)
             self._fd = None
@@ -225,11 +347,17 @@ class ShardServer:
         if self._socket is not None:
             self._socket.close(0)
             self._socket = None
+        self._stop_zap()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._own_context:
             self._context.term()
         self._sender.close()
         self._close_metrics()
+
+    def _stop_zap(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
 
     def _close_metrics(self) -> None:
         if self._metrics is not None:
@@ -279,6 +407,7 @@ class ShardServer:
         sock = self._socket
         if sock is None:
             return
+        self._heard_at = time.monotonic()  # a sign of life from each sender (heartbeats)
         for _ in range(DRAIN_BATCH):
             try:
                 frames = wire.recv_frames(sock)
@@ -336,12 +465,19 @@ class ShardServer:
             chunk.value.track(send)
 
     def _send_error(
-        self, identity: bytes, rid: int, op: Op | None, code: ErrorCode, message: str
+        self,
+        identity: bytes,
+        rid: int,
+        op: Op | None,
+        code: ErrorCode,
+        message: str,
+        lost_rank: int | None = None,
     ) -> None:
-        """Refuse request ``rid`` of ``op`` (None: it failed validation)."""
+        """Refuse request ``rid`` of ``op`` (None: it failed validation); ``lost_rank``: the
+        worker a ``WORKER_LOST`` error names."""
         if self._metrics is not None:
             self._metrics.error(code)
-        self._send(identity, wire.error(rid, code, message), op)
+        self._send(identity, wire.error(rid, code, message, lost_rank), op)
 
     def _answer(self, reply: PendingReply, chunk: ChunkState) -> None:
         if reply.want_value:
@@ -390,16 +526,16 @@ class ShardServer:
                 raise RequestError(ErrorCode.BAD_MESSAGE, f"{msg.op.name} is not a request")
             rank = self._job.sessions.get(identity)
             if rank is None:
-                raise RequestError(
-                    ErrorCode.NOT_CONNECTED,
-                    f"{msg.op.name} from a worker that has not said HELLO to this server",
-                )
+                self._refuse_stranger(identity, msg)
+            heard = self._heard
+            if heard is not None:
+                heard[rank] = self._heard_at
             handler(identity, rank, msg)
         except RequestError as exc:
             logger.warning(
                 "refused %s (id %d) from %s: %s", msg.op.name, msg.rid, _peer(identity), exc
             )
-            self._send_error(identity, msg.rid, msg.op, exc.code, str(exc))
+            self._send_error(identity, msg.rid, msg.op, exc.code, str(exc), exc.lost_rank)
         except (CodecError, OptimizerError) as exc:
             code = ErrorCode.CODEC if isinstance(exc, CodecError) else ErrorCode.OPTIMIZER
             logger.warning("refused %s from %s: %s", msg.op.name, _peer(identity), exc)
@@ -434,6 +570,7 @@ class ShardServer:
                 f"the worker lists this address as server {msg['si']} but it is server "
                 f"{cfg.server_rank}: KVSTORE_SERVERS must list the servers in rank order",
             )
+        self._check_partition(msg.get("pb"))
         if rank >= cfg.num_workers:
             raise RequestError(
                 ErrorCode.CLUSTER_MISMATCH, f"rank {rank} is out of range 0..{cfg.num_workers - 1}"
@@ -452,27 +589,225 @@ class ShardServer:
         lane = msg["ln"]
         holder = job.ranks.get((rank, lane))
         if holder is not None and holder != identity:
+            released = (
+                f"; if that worker died, its rank is released after "
+                f"{cfg.heartbeat_timeout:g} s without a message from it (KVSTORE_HEARTBEAT_TIMEOUT)"
+                if self._liveness is not None
+                else ""
+            )
             raise RequestError(
                 ErrorCode.DUPLICATE_RANK,
                 f"rank {rank} is already connected from another worker ({_peer(holder)}); "
-                f"every worker needs its own KVSTORE_RANK",
+                f"every worker needs its own KVSTORE_RANK{released}",
             )
         job.mode = mode
         job.sessions[identity] = rank
         job.lanes[identity] = lane
         job.ranks[(rank, lane)] = identity
+        if self._heard is not None:
+            self._heard[rank] = self._heard_at
+        if job.lost.pop(rank, None) is not None:
+            job.rejoined.add(rank)
+            logger.warning("worker rank %d rejoined the job (%s)", rank, _peer(identity))
         logger.debug("worker rank %d connected (%s, %s)", rank, _peer(identity), mode)
-        self._send(identity, wire.reply(msg.rid, {"sr": cfg.server_rank}), Op.HELLO)
+        fields = {"sr": cfg.server_rank}
+        if self._liveness is not None:  # (the worker pings often enough for it)
+            fields["hb"] = round(cfg.heartbeat_timeout * 1000)
+        self._send(identity, wire.reply(msg.rid, fields), Op.HELLO)
+
+    def _check_partition(self, partition_bytes: int | None) -> None:
+        """Refuse a worker whose largest message could exceed this server's limit (ZeroMQ
+        would drop its connection mid-job, before the server could say why)."""
+        limit = self._max_message
+        if limit is None or partition_bytes is None:
+            return
+        largest = max_payload_bytes(partition_bytes)
+        if largest > limit:
+            raise RequestError(
+                ErrorCode.MESSAGE_LIMIT,
+                f"this worker's chunks take up to {largest} bytes (KVSTORE_PARTITION_BYTES="
+                f"{partition_bytes}) but server {self.config.server_rank} accepts messages of at "
+                f"most {limit} bytes: give the servers the workers' KVSTORE_PARTITION_BYTES "
+                f"(kvstore-launch passes it on), or raise KVSTORE_MAX_MESSAGE_BYTES "
+                f"(kvstore-server --max-message-bytes)",
+            )
 
     def _on_bye(self, identity: bytes, rank: int, msg: Message) -> None:
         job = self._job
         job.sessions.pop(identity, None)
         job.ranks.pop((rank, job.lanes.pop(identity, 0)), None)
+        if self._heard is not None and not any((rank, ln) in job.ranks for ln in LANES):
+            self._heard.pop(rank, None)  # it left: nothing to watch
         self._send(identity, wire.reply(msg.rid), Op.BYE)
         logger.debug("worker rank %d left", rank)
         if not job.sessions:
             logger.debug("all workers left; the server is ready for a new job")
-            self._job = _Job()
+            self._reset_job()
+
+    def _reset_job(self) -> None:
+        """Forget the job: its keys, optimizer, mode and ranks; serve the next one."""
+        self._job = _Job()
+        if self._heard is not None:
+            self._heard.clear()
+
+    def _on_ping(self, identity: bytes, rank: int, msg: Message) -> None:
+        # Being handled was the point (the rank's last-heard time is now); the reply tells the
+        # worker that this server lives.
+        self._send(identity, wire.reply(msg.rid), Op.PING)
+
+    # lost workers ------------------------------------------------------------------------------
+    #
+    # A worker that sent nothing (no request, no PING) for config.heartbeat_timeout seconds is
+    # declared lost: its sessions are released, so that a replacement with its rank can say
+    # HELLO and rejoin the job, and every request that waits on it fails with WORKER_LOST
+    # naming it, at once and until a replacement rejoins: barriers, set_optimizer, inits
+    # waiting for rank 0's value, and in dist_sync the pushes and pulls of every chunk whose
+    # round lacks its push. Those pushes stay in their round (their sum is not undone), so
+    # the replacement's first push of the chunk completes it; a lost worker's push that is in
+    # a round stays there, and its pushes not yet in one are dropped. Nothing waits on other
+    # workers in dist_async but the collectives.
+
+    def _check_workers(self) -> None:
+        """Declare lost the ranks that have been silent for too long (a timer callback)."""
+        liveness = self._liveness
+        assert liveness is not None and self._loop is not None
+        self._beat_timer = self._loop.call_later(liveness.period, self._check_workers)
+        now = time.monotonic()
+        for rank in liveness.overdue(now):
+            if rank not in liveness.heard:  # (the job was forgotten meanwhile)
+                continue
+            silence = liveness.silence(rank, now)
+            self._declare_lost(
+                rank,
+                f"nothing heard from it for {silence:.1f} s (KVSTORE_HEARTBEAT_TIMEOUT="
+                f"{self.config.heartbeat_timeout:g}): it died, stalled or lost its network",
+            )
+
+    def _refuse_stranger(self, identity: bytes, msg: Message) -> None:
+        """Raise the error for a request from a connection without a session."""
+        rank = self._released.get(identity)
+        if rank is not None:
+            raise RequestError(
+                ErrorCode.WORKER_LOST,
+                f"worker rank {rank} (this worker) was declared lost by server "
+                f"{self.config.server_rank} after it sent nothing for "
+                f"{self.config.heartbeat_timeout:g} s (KVSTORE_HEARTBEAT_TIMEOUT), and its "
+                f"rank was released; restart the worker to rejoin the job",
+                rank,
+            )
+        raise RequestError(
+            ErrorCode.NOT_CONNECTED,
+            f"{msg.op.name} from a worker that has not said HELLO to this server",
+        )
+
+    def _lost_message(self, rank: int, what: str) -> str:
+        return (
+            f"{what} needs worker rank {rank}, which was lost ({self._job.lost[rank]}); a "
+            f"replacement started with KVSTORE_RANK={rank} can rejoin the job"
+        )
+
+    def _fail_lost(self, reply: PendingReply, rank: int, what: str) -> None:
+        """Answer a pending request with WORKER_LOST naming ``rank``."""
+        self._send_error(
+            reply.identity,
+            reply.rid,
+            reply.op,
+            ErrorCode.WORKER_LOST,
+            self._lost_message(rank, what),
+            rank,
+        )
+
+    def _require_all_ranks(self, what: str) -> None:
+        """Raise WORKER_LOST if a rank is lost (for a request that needs every worker)."""
+        lost = self._job.lost
+        if lost:
+            rank = min(lost)
+            raise RequestError(ErrorCode.WORKER_LOST, self._lost_message(rank, what), rank)
+
+    def _declare_lost(self, rank: int, reason: str) -> None:
+        job = self._job
+        identities = [identity for identity, r in job.sessions.items() if r == rank]
+        for identity in identities:
+            del job.sessions[identity]
+            job.lanes.pop(identity, None)
+            self._released[identity] = rank
+        while len(self._released) > MAX_RELEASED:
+            del self._released[next(iter(self._released))]
+        for lane in LANES:
+            job.ranks.pop((rank, lane), None)
+        if self._heard is not None:
+            self._heard.pop(rank, None)
+        job.rejoined.discard(rank)
+        job.lost[rank] = reason
+        logger.error("worker rank %d is lost: %s", rank, reason)
+        if not job.sessions:
+            logger.warning(
+                "no worker of the job is left; the server forgets the job and is ready for a "
+                "new one"
+            )
+            self._reset_job()
+            return
+        # The collectives wait for every rank (the lost one's own entry is told too: a
+        # stalled worker reads it when it wakes up).
+        barrier, job.barrier = job.barrier, {}
+        for reply in barrier.values():
+            self._fail_lost(reply, rank, "the barrier")
+        proposals, job.proposals = job.proposals, {}
+        for _, reply in proposals.values():
+            self._fail_lost(reply, rank, "set_optimizer")
+        call, job.checkpoint = job.checkpoint, None
+        if call is not None:
+            for reply in call.replies.values():
+                self._fail_lost(reply, rank, call.describe())
+        for chunk in job.chunks.values():
+            chunk.declared.pop(rank, None)  # the replacement declares it again
+            chunk.applied.pop(rank, None)  # and counts its pushes from 0
+            waiters = chunk.init_waiters
+            if rank == 0 and waiters:  # rank 0's value never comes
+                chunk.init_waiters = []
+                for reply in waiters:
+                    chunk.declared.pop(reply.rank, None)  # (so that it can try again)
+                    self._fail_lost(reply, rank, f"init of {chunk.spec.name}")
+            elif any(reply.rank == rank for reply in waiters):
+                chunk.init_waiters = [reply for reply in waiters if reply.rank != rank]
+                for reply in waiters:
+                    if reply.rank == rank:
+                        self._fail_lost(reply, rank, f"init of {chunk.spec.name}")
+            dropped = [push for push in chunk.deferred if push.reply.rank == rank]
+            if dropped:  # not in a round yet: dropped (the lost rank's own round push stays)
+                chunk.deferred = type(chunk.deferred)(
+                    push for push in chunk.deferred if push.reply.rank != rank
+                )
+                for push in dropped:
+                    self._fail_lost(push.reply, rank, f"push of {chunk.spec.name}")
+            own = [w for w in chunk.pull_waiters if w.reply.rank == rank]
+            if own:
+                chunk.pull_waiters = [w for w in chunk.pull_waiters if w.reply.rank != rank]
+                for waiter in own:
+                    self._fail_lost(waiter.reply, rank, f"pull of {chunk.spec.name}")
+            self._fail_blocked(chunk)
+
+    def _fail_blocked(self, chunk: ChunkState) -> None:
+        """In dist_sync, while a rank is lost: fail the requests that wait on ``chunk``'s
+        round if it lacks a lost rank's push (a later round lacks it in any case)."""
+        job = self._job
+        if not job.lost or job.mode == "dist_async":
+            return
+        missing = next((r for r in sorted(job.lost) if r not in chunk.round_ranks), None)
+        if missing is None:
+            return
+        what = f"the dist_sync round of {chunk.spec.name}"
+        failed = job.failed
+        pushes = [*chunk.round_replies, *(push.reply for push in chunk.deferred)]
+        for reply in pushes:
+            if (reply.identity, reply.rid) not in failed:
+                failed.add((reply.identity, reply.rid))
+                self._fail_lost(reply, missing, what)
+        waiters, chunk.pull_waiters = chunk.pull_waiters, []
+        for waiter in waiters:
+            for rid in waiter.acks:  # (pushes answered by this pull's reply: done)
+                self._send(waiter.reply.identity, wire.reply(rid), Op.PUSH)
+            self._fail_lost(waiter.reply, missing, what)
 
     # init --------------------------------------------------------------------------------------
 
@@ -488,6 +823,15 @@ class ShardServer:
             )
         codec = codec_from_spec({"type": msg["cd"], **msg["cp"]})
         codec.check_dtype(msg["dt"], f"key {msg['k']!r}")
+        nbytes = count * np.dtype(msg["dt"]).itemsize
+        if self._max_message is not None and nbytes > self._max_message:
+            # Its value could never arrive: refused before any state is allocated for it.
+            raise RequestError(
+                ErrorCode.MESSAGE_LIMIT,
+                f"key {msg['k']!r} chunk {msg['c']} holds {nbytes} bytes, more than the "
+                f"{self._max_message} bytes server {self.config.server_rank} accepts in a "
+                f"message (KVSTORE_MAX_MESSAGE_BYTES)",
+            )
         spec = ChunkSpec(
             key=msg["k"],
             index=msg["c"],
@@ -522,6 +866,16 @@ class ShardServer:
                     ErrorCode.BAD_VALUE,
                     f"{spec.name}: INIT value has {values.nbytes} bytes, expected {expected}",
                 )
+            if chunk.initialized:
+                # A rank 0 that rejoined the job (its predecessor was lost) runs its script
+                # from the top: the key lives on, and its value must not be overwritten.
+                if spec != chunk.spec:
+                    raise RequestError(
+                        ErrorCode.SPEC_MISMATCH, self._rejoin_mismatch(spec, chunk.spec)
+                    )
+                chunk.declared[0] = spec
+                self._send_ack(reply)
+                return
             # Rank 0's declaration is the reference; earlier different ones are refused now.
             chunk.spec, chunk.codec = spec, codec
             chunk.set_initial_value(values)
@@ -547,6 +901,8 @@ class ShardServer:
             chunk.declared[rank] = spec
             self._send_ack(reply)
         else:
+            if 0 in self._job.lost:  # rank 0's value would never come
+                self._require_all_ranks(f"init of {spec.name}")
             chunk.declared[rank] = spec
             chunk.init_waiters.append(reply)
 
@@ -556,6 +912,13 @@ class ShardServer:
             f"{spec.name}: rank {rank} declared {spec.describe()} but rank 0 declared "
             f"{reference.describe()}; every worker must init a key with the same shape, dtype, "
             f"compression, KVSTORE_BIGARRAY_BOUND/KVSTORE_PARTITION_BYTES and KVSTORE_SERVERS"
+        )
+
+    @staticmethod
+    def _rejoin_mismatch(spec: ChunkSpec, reference: ChunkSpec) -> str:
+        return (
+            f"{spec.name}: rank 0 declared {spec.describe()} but the key lives in this job as "
+            f"{reference.describe()}; a worker that rejoins a job must init its keys as before"
         )
 
     def _ready_chunk(self, rank: int, msg: Message) -> ChunkState:
@@ -604,12 +967,16 @@ class ShardServer:
         rank = push.reply.rank
         if rank in chunk.round_ranks or any(d.reply.rank == rank for d in chunk.deferred):
             chunk.deferred.append(push)
+            if self._job.lost:
+                self._fail_blocked(chunk)
             return
         if self._metrics is not None and not chunk.round_ranks:
             chunk.round_started = time.perf_counter()  # the round's first push
         chunk.round_ranks.add(rank)
         chunk.round_replies.append(push.reply)
         self._inline.submit(self._accumulate(chunk, push.payloads))
+        if self._job.lost:
+            self._fail_blocked(chunk)
 
     async def _accumulate(self, chunk: ChunkState, payloads: list[Any]) -> None:
         async with chunk.lock:  # turns are granted in arrival order
@@ -650,8 +1017,8 @@ class ShardServer:
                 error = exc
         if error is None and intermediate is not None:
             for reply in replies:
-                chunk.applied[reply.rank] += 1
-                self._send(reply.identity, wire.reply(reply.rid, None, intermediate), reply.op)
+                if self._push_applied(chunk, reply):
+                    self._send(reply.identity, wire.reply(reply.rid, None, intermediate), reply.op)
             self._release_pulls(chunk)
         else:
             self._pushes_done(chunk, replies, error)
@@ -662,6 +1029,8 @@ class ShardServer:
         deferred, chunk.deferred = chunk.deferred, type(chunk.deferred)()
         for push in deferred:
             self._admit(chunk, push)
+        if self._job.lost:  # the next round lacks a lost rank: its pull waiters fail
+            self._fail_blocked(chunk)
 
     async def _push_async(self, chunk: ChunkState, reply: PendingReply, payloads: list) -> None:
         error: BaseException | None = None
@@ -724,6 +1093,23 @@ class ShardServer:
             self._send_value(reply, chunk)
         else:
             chunk.pull_waiters.append(PullWaiter(reply, msg["af"]))
+            if self._job.lost:
+                self._fail_blocked(chunk)
+
+    def _push_applied(self, chunk: ChunkState, reply: PendingReply) -> bool:
+        """Count ``reply``'s push as applied for its rank; whether it still needs an answer.
+
+        A lost worker's pushes count for nobody (its replacement counts its own from 0), and a
+        push answered with WORKER_LOST while it waited in its round needs no other answer.
+        """
+        job = self._job
+        if reply.identity in job.sessions:
+            chunk.applied[reply.rank] += 1
+        failed = job.failed
+        if failed and (reply.identity, reply.rid) in failed:
+            failed.discard((reply.identity, reply.rid))
+            return False
+        return True
 
     def _pushes_done(
         self, chunk: ChunkState, replies: list[PendingReply], error: BaseException | None
@@ -734,10 +1120,9 @@ class ShardServer:
         no ack of its own: the pull's value reply lists it in ``ak`` (one message less per
         chunk and step). Errors always get their own reply.
         """
-        for reply in replies:
-            chunk.applied[reply.rank] += 1
-        for reply in replies:
-            if error is None and not reply.want_value:
+        sessions = self._job.sessions
+        for reply in [reply for reply in replies if self._push_applied(chunk, reply)]:
+            if error is None and not reply.want_value and reply.identity in sessions:
                 waiter = next(
                     (
                         w
@@ -769,6 +1154,7 @@ class ShardServer:
         if self.config.server_rank != 0:
             raise RequestError(ErrorCode.WRONG_SERVER, "barriers are kept by server 0")
         job = self._job
+        self._require_all_ranks("the barrier")
         if rank in job.barrier:
             raise RequestError(ErrorCode.BAD_VALUE, f"rank {rank} is already in the barrier")
         job.barrier[rank] = PendingReply(identity, msg.rid, rank, False, Op.BARRIER)
@@ -780,6 +1166,14 @@ class ShardServer:
     def _on_set_optimizer(self, identity: bytes, rank: int, msg: Message) -> None:
         spec = make_optimizer_spec(msg["opt"], msg["hp"])
         job = self._job
+        if rank in job.rejoined:
+            # A replacement runs its script from the top: its first set_optimizer, equal to
+            # the job's optimizer, is a no-op that waits for nobody (the others made it long ago).
+            job.rejoined.discard(rank)
+            if job.optimizer is not None and job.optimizer.spec == spec and not job.proposals:
+                self._send_ack(PendingReply(identity, msg.rid, rank, False, Op.SET_OPTIMIZER))
+                return
+        self._require_all_ranks("set_optimizer")
         if rank in job.proposals:
             raise RequestError(
                 ErrorCode.OPTIMIZER, f"rank {rank} already called set_optimizer and is waiting"
@@ -800,6 +1194,160 @@ class ShardServer:
         logger.info("optimizer set: %r", spec)
         for _, reply in proposals.values():
             self._send_ack(reply)
+
+    # checkpoints -------------------------------------------------------------------------------
+
+    def _on_checkpoint(self, identity: bytes, rank: int, msg: Message) -> None:
+        """SAVE and LOAD: collective; acted on once all N workers made the same call.
+
+        SAVE writes this server's shard into the staging directory ``p`` (rank 0 then writes
+        the manifest and renames the directory: :mod:`kvstore.checkpoint`). LOAD phase 0 reads
+        and checks the checkpoint at ``p`` and stages it, phase 1 commits it, phase 2 drops it:
+        every worker commits only after every server's phase 0 succeeded, so a load happens
+        everywhere or nowhere. Each is carried out only while no round is in flight (between
+        steps), else every worker gets a ``checkpoint`` error saying what was in flight.
+        """
+        job = self._job
+        phase = msg["ph"] if msg.op is Op.LOAD else 0
+        if phase > 2:
+            raise RequestError(ErrorCode.BAD_MESSAGE, f"LOAD phase {phase} is not 0, 1 or 2")
+        self._require_all_ranks("a checkpoint")  # (a collective: it would wait for them)
+        if job.checkpoint_busy:
+            raise RequestError(
+                ErrorCode.CHECKPOINT, f"rank {rank}: a checkpoint is being written or read"
+            )
+        call = job.checkpoint or _CheckpointCall(msg.op, phase, msg["p"])
+        self._require_all_ranks(call.describe())
+        if (call.op, call.phase, call.path) != (msg.op, phase, msg["p"]):
+            other = _CheckpointCall(msg.op, phase, msg["p"])
+            raise RequestError(
+                ErrorCode.CHECKPOINT,
+                f"rank {rank} called {other.describe()} but rank(s) {sorted(call.replies)} "
+                f"called {call.describe()}: every worker makes the same checkpoint calls",
+            )
+        if rank in call.replies:
+            raise RequestError(ErrorCode.CHECKPOINT, f"rank {rank} is already in this call")
+        job.checkpoint = call
+        call.replies[rank] = PendingReply(identity, msg.rid, rank, False, msg.op)
+        if "er" in msg.fields:
+            call.errors[rank] = msg["er"]
+        if len(call.replies) == self.config.num_workers:
+            job.checkpoint = None
+            job.checkpoint_busy = True
+            self._spawn(self._carry_out_checkpoint(job, call))
+
+    async def _carry_out_checkpoint(self, job: _Job, call: _CheckpointCall) -> None:
+        error: BaseException | None = None
+        try:
+            if call.errors:
+                failed = call.errors.items()
+                raise CheckpointError(
+                    "; ".join(f"rank {r} could not do its part: {text}" for r, text in failed)
+                )
+            if call.op is Op.SAVE:
+                await self._save_shard(job, call.path)
+            elif call.phase == 0:
+                await self._prepare_load(job, call.path)
+            elif call.phase == 1:
+                await self._commit_load(job)
+        except Exception as exc:
+            error = exc
+        finally:
+            job.checkpoint_busy = False
+            if error is not None or call.op is Op.SAVE or call.phase != 0:
+                job.staged_load = None  # (a failed phase 0, a commit, an abort)
+        code = ErrorCode.CHECKPOINT
+        if error is not None and not isinstance(error, CheckpointError | OSError):
+            logger.error("%s failed", call.describe(), exc_info=error)
+            code = ErrorCode.INTERNAL
+        elif error is not None:
+            logger.warning("%s refused: %s", call.describe(), error)
+        else:
+            logger.info("%s done", call.describe())
+        for reply in call.replies.values():
+            if error is None:
+                self._send_ack(reply)
+            else:
+                self._send_error(reply.identity, reply.rid, reply.op, code, str(error))
+
+    def _check_quiescent(self, job: _Job, what: str) -> list[ChunkState]:
+        """The job's chunks, after checking that nothing is in flight on any of them."""
+        chunks = list(job.chunks.values())
+        problem = checkpointing.busy_reason(chunks)
+        if problem is None and (job.barrier or job.proposals):
+            problem = "a barrier or set_optimizer is waiting for workers"
+        if problem is not None:
+            raise CheckpointError(
+                f"cannot {what} on server {self.config.server_rank}: {problem}; call it between "
+                f"steps, once every worker's pushes were pulled"
+            )
+        return chunks
+
+    async def _save_shard(self, job: _Job, path: str) -> None:
+        cfg = self.config
+        chunks = self._check_quiescent(job, "save a checkpoint")
+        info = {
+            "server_rank": cfg.server_rank,
+            "num_servers": cfg.num_servers,
+            "num_workers": cfg.num_workers,
+            "mode": job.mode,
+            "optimizer": checkpointing.optimizer_entry(job.optimizer),
+        }
+        async with _all_locked(chunks):  # (free: quiescent) pushes that sneak in wait
+            arrays, meta = checkpointing.snapshot(chunks, info)
+            await asyncio.get_running_loop().run_in_executor(
+                self._pool,
+                checkpoint.write_part,
+                path,
+                checkpoint.server_file(cfg.server_rank),
+                arrays,
+                meta,
+            )
+
+    async def _prepare_load(self, job: _Job, path: str) -> None:
+        cfg = self.config
+        chunks = self._check_quiescent(job, "load a checkpoint")
+        job.staged_load = await asyncio.get_running_loop().run_in_executor(
+            self._pool,
+            lambda: checkpointing.prepare_load(
+                path,
+                chunks,
+                job.optimizer,
+                server_rank=cfg.server_rank,
+                num_servers=cfg.num_servers,
+                num_workers=cfg.num_workers,
+                mode=job.mode,
+            ),
+        )
+
+    async def _commit_load(self, job: _Job) -> None:
+        staged, job.staged_load = job.staged_load, None
+        if staged is None:
+            raise CheckpointError("no load was prepared (phase 0 failed or was not called)")
+        self._check_quiescent(job, "load a checkpoint")
+        chunks = [restore[0] for restore in staged.restores]
+        async with _all_locked(chunks):
+            spares = [chunk.value.spare() for chunk in chunks]  # type: ignore[union-attr]
+            await asyncio.get_running_loop().run_in_executor(self._pool, staged.apply, spares)
+            for chunk, spare in zip(chunks, spares, strict=True):
+                chunk.value.publish(spare)  # type: ignore[union-attr]
+        if staged.optimizer is not None:
+            job.optimizer = staged.optimizer
+        logger.info("loaded %d chunk(s) from %s", len(chunks), staged.path)
+
+
+@contextlib.asynccontextmanager
+async def _all_locked(chunks: list[ChunkState]) -> Any:
+    """Hold the locks of ``chunks`` (in list order; free when the chunks are quiescent)."""
+    held = []
+    try:
+        for chunk in chunks:
+            await chunk.lock.acquire()
+            held.append(chunk)
+        yield
+    finally:
+        for chunk in held:
+            chunk.lock.release()
 
 
 __all__ = ["RequestError", "ShardServer"]

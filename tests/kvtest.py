@@ -99,8 +99,11 @@ def start_servers(
     threads: int = 2,
     env: dict[str, str] | None = None,
     timeout: float = 60.0,
+    stderr: Any = subprocess.DEVNULL,
 ) -> list[ServerProcess]:
-    """Start ``num_servers`` ``kvstore-server`` processes on 127.0.0.1, port 0; wait for READY."""
+    """Start ``num_servers`` ``kvstore-server`` processes on 127.0.0.1, port 0; wait for READY.
+
+    ``stderr``: where their logs go (a file to read them; by default nowhere)."""
     servers = []
     try:
         for rank in range(num_servers):
@@ -121,7 +124,7 @@ def start_servers(
                     str(threads),
                 ],
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
+                stderr=stderr,
                 env={**os.environ, "KVSTORE_LOG_LEVEL": "ERROR", **(env or {})},
                 text=True,
             )

@@ -29,22 +29,28 @@ import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvstore import checkpoint
 from kvstore._malloc import tune_malloc
+from kvstore._version import __version__
 from kvstore.codecs import Codec, Encoder, codec_from_spec
 from kvstore.codecs.base import PushQuality, frame_array
+from kvstore.codecs.finite import count_nonfinite
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.config import ClusterConfig, WorkerOptions
 from kvstore.errors import (
+    CheckpointError,
     CodecError,
     ConnectionLostError,
     DuplicateInitError,
     KeyNotInitializedError,
     KVStoreError,
     KVStoreTimeoutError,
+    NonFiniteError,
     ProtocolError,
     UsageError,
     ValueMismatchError,
@@ -53,8 +59,9 @@ from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
 from kvstore.topology import Chunk, Key, interleaved_order, partition_elems_for, plan_chunks
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Op, buffer_nbytes
+from kvstore.worker import checkpointing as ckpt
 from kvstore.worker import values as vals
-from kvstore.worker.transport import Request, Transport, wait_all
+from kvstore.worker.transport import Deadline, Request, Transport, wait_all
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +122,9 @@ class _KeyState:
     pulled_after_push: bool = False
     pushed_since_pull: bool = False
     prefetched: list[Request] | None = None
+    # Encoder state loaded from a checkpoint, per chunk, waiting for the chunk's encoder to be
+    # made (None: nothing waits); see kvstore.worker.checkpointing.
+    restored: list[dict[str, Any] | None] | None = None
 
     def relay_offer(self, chunk: Chunk) -> dict[str, int]:
         """The request field offering to take a relayed value of ``chunk`` (none: dense)."""
@@ -223,6 +233,15 @@ def servers_on_this_host(addresses: Sequence[str]) -> bool:
     return True
 
 
+def _reworded(exc: BaseException, message: str) -> BaseException:
+    """A copy of ``exc`` that says ``message`` and keeps its attributes (a lost worker's rank,
+    a server's error code)."""
+    copy = type(exc).__new__(type(exc), message)
+    copy.__dict__.update(exc.__dict__)
+    copy.args = (message,)
+    return copy
+
+
 def _normalize_key(key: Any) -> Key:
     if isinstance(key, bool):
         raise TypeError("expected int or str for `key`, got bool")
@@ -313,6 +332,8 @@ class KVStore:
                 tos=self._options.push_tos,
                 queue_seconds=self._options.send_queue_ms / 1000,
                 metrics=self._metrics,
+                curve=self._options.curve,
+                heartbeat_timeout=self._options.heartbeat_timeout,
             )
         except BaseException:
             self._close_metrics()
@@ -343,6 +364,8 @@ class KVStore:
                     "si": server,
                     "m": self.type,
                     "ln": lane,
+                    # the server refuses us here if our chunks could exceed its message limit
+                    "pb": self._options.partition_bytes,
                 },
                 what=f"handshake with server {server} ({address})",
                 lane=lane,
@@ -353,12 +376,32 @@ class KVStore:
         try:
             wait_all(requests, timeout)
         except KVStoreTimeoutError:
+            self._leave_after_refusal(requests)
             silent = [r.server for r in requests if not r.done()]
             addresses = ", ".join(self._cluster.servers[s] for s in silent)
             raise ConnectionLostError(
                 f"server(s) {silent} ({addresses}) did not answer within {timeout} s "
                 f"(KVSTORE_CONNECT_TIMEOUT): are they running? `kvstore-launch` starts them"
             ) from None
+        except KVStoreError:
+            self._leave_after_refusal(requests)
+            raise
+
+    def _leave_after_refusal(self, hellos: list[Request]) -> None:
+        """Say goodbye where a HELLO was accepted although another server refused us, so that
+        those servers do not hold this rank for a worker that is not coming (a replacement
+        that retries before every server released its predecessor's rank)."""
+        # (the HELLOs are per server, data lane then control lane: see _handshake)
+        lanes = [(r.server, (LANE_DATA, LANE_CONTROL)[i % 2]) for i, r in enumerate(hellos)]
+        byes = [
+            self._transport.submit(server, Op.BYE, what="goodbye", lane=lane)
+            for (server, lane), hello in zip(lanes, hellos, strict=True)
+            if hello.done() and not hello.failed()
+        ]
+        try:
+            wait_all(byes, timeout=1.0)
+        except KVStoreError as exc:
+            logger.debug("goodbye after a refused handshake not acknowledged: %s", exc)
 
     def _shutdown_transport(self) -> None:
         try:
@@ -384,8 +427,9 @@ class KVStore:
                 return
             self._closed = True
         error: BaseException | None = None
+        deadline = self._deadline()
         try:
-            self._wait_pushes()
+            self._wait_pushes(deadline=deadline)
         except KVStoreError as exc:
             error = exc
         try:
@@ -394,7 +438,10 @@ class KVStore:
                 for s in range(self.num_servers)
                 for lane in (LANE_DATA, LANE_CONTROL)
             ]
-            wait_all(byes, timeout=5.0)
+            # At most 5 s, and within KVSTORE_TIMEOUT give or take a moment to send them: a
+            # server that misses a goodbye releases the rank after KVSTORE_HEARTBEAT_TIMEOUT.
+            remaining = deadline.remaining()
+            wait_all(byes, timeout=5.0 if remaining is None else min(5.0, max(remaining, 0.2)))
         except KVStoreError as exc:
             logger.debug("goodbye not acknowledged: %s", exc)
         self._shutdown_transport()
@@ -410,6 +457,11 @@ class KVStore:
     def _check_open(self) -> None:
         if self._closed:
             raise UsageError("this KVStore is closed")
+
+    def _deadline(self) -> Deadline:
+        """The deadline of a blocking call starting now: ``KVSTORE_TIMEOUT`` bounds each call
+        as a whole, however many keys, chunks and requests it waits for."""
+        return Deadline(self._options.timeout)
 
     # configuration -----------------------------------------------------------------------------
 
@@ -561,6 +613,27 @@ class KVStore:
             )
         return state
 
+    def _check_finite(self, work: Sequence[tuple[_KeyState, Any]]) -> None:
+        """Refuse pushed float values that hold NaN or an infinity, before anything of the call
+        is encoded or sent (``KVSTORE_ALLOW_NONFINITE=1`` skips the check).
+
+        One read of each value (:mod:`kvstore.codecs.finite`): a NaN would otherwise reach the
+        servers' sums or stay in a 2-bit residual for good, where it sends nothing again.
+        """
+        if self._options.allow_nonfinite:
+            return
+        for state, value in work:
+            if not state.dtype.startswith("float"):
+                continue
+            with vals.device_stream(value):
+                bad = count_nonfinite(vals.flat_source(value))
+            if bad:
+                raise NonFiniteError(
+                    f"the value pushed for {state.describe()} holds {bad} NaN or infinite "
+                    f"element(s) of {state.numel}; nothing of this call was pushed and no "
+                    f"residual changed (KVSTORE_ALLOW_NONFINITE=1 pushes them as they are)"
+                )
+
     def _check_value(self, state: _KeyState, value: Any, name: str) -> vals.ValueInfo:
         info = vals.describe(value, name)
         if info.shape != state.shape or info.dtype != state.dtype:
@@ -578,20 +651,26 @@ class KVStore:
                 # The residuals live where the values live; moving devices starts them over.
                 logger.warning("%s moved between host and GPU; residuals reset", state.describe())
                 state.encoders = [None] * len(state.chunks)
+                state.restored = None
             state.encoder_device = device
             encoder = state.codec.make_encoder(chunk.numel, state.dtype, device)
+            if state.restored is not None and state.restored[chunk.index] is not None:
+                encoder.load_state(state.restored[chunk.index])  # from load_checkpoint
+                state.restored[chunk.index] = None
             state.encoders[chunk.index] = encoder
         return encoder
 
-    def _wait_push(self, state: _KeyState, index: int) -> None:
+    def _wait_push(self, state: _KeyState, index: int, deadline: Deadline | None = None) -> None:
+        """Wait for the last push of ``state``'s chunk ``index`` (within the call's
+        ``deadline``; None: a call of its own) and raise its error."""
         previous = state.last_push[index]
         if previous is None:
             return
         state.last_push[index] = None
         try:
-            previous.wait(self._options.timeout)
+            previous.wait(deadline if deadline is not None else self._deadline())
         except KVStoreError as exc:
-            raise type(exc)(f"an earlier push of {state.describe()} failed: {exc}") from exc
+            raise _reworded(exc, f"an earlier push of {state.describe()} failed: {exc}") from exc
 
     def _send_pushes(
         self,
@@ -601,10 +680,14 @@ class KVStore:
         priority: int,
         landing: _Landing | None = None,
         borrow: bool = False,
+        deadline: Deadline | None = None,
     ) -> list[Request]:
         """Encode and send every chunk of ``value`` (in the key's send order); returns the
         requests in chunk order. With ``borrow``, chunks whose codec can send the values as
-        they are (dense host values) are sent from ``value``'s memory, not copied."""
+        they are (dense host values) are sent from ``value``'s memory, not copied. A chunk's
+        previous push is waited for within ``deadline`` (None: one from now)."""
+        if deadline is None:
+            deadline = self._deadline()
         source = vals.flat_source(value)
         requests: list[Any] = [None] * len(state.chunks)  # every slot filled below
         metrics = self._metrics
@@ -613,7 +696,7 @@ class KVStore:
             measured = []
         with vals.device_stream(value):
             for chunk in state.send_order:
-                self._wait_push(state, chunk.index)
+                self._wait_push(state, chunk.index, deadline)
                 encoder = self._encoder(state, chunk, source)
                 values = source[chunk.start : chunk.stop]
                 payloads = encoder.borrow(values) if borrow else None
@@ -695,11 +778,15 @@ class KVStore:
         work = [(self._state(k), v) for k, v in pairs]
         for state, v in work:
             self._check_value(state, v, "value")
+        self._check_finite([(state, v) for state, v in work])
+        deadline = self._deadline()  # (for the chunks' previous pushes, over the whole call)
         for state, v in work:
             if self._prefetch_values(state):
-                state.prefetched = self._send_pushes(state, v, Op.PUSHPULL, priority, borrow=borrow)
+                state.prefetched = self._send_pushes(
+                    state, v, Op.PUSHPULL, priority, borrow=borrow, deadline=deadline
+                )
             else:
-                self._send_pushes(state, v, Op.PUSH, priority, borrow=borrow)
+                self._send_pushes(state, v, Op.PUSH, priority, borrow=borrow, deadline=deadline)
             state.pushed_since_pull = True
 
     def _prefetch_values(self, state: _KeyState) -> bool:
@@ -763,11 +850,12 @@ class KVStore:
         work = [(self._state(k), o) for k, o in pairs]
         for state, o in work:
             self._check_value(state, o, "out")
+        deadline = self._deadline()
         pending = []
         for state, o in work:
             landing = _Landing(state, o, self._stats)
             pending.append((landing, self._pull_requests(state, landing, priority)))
-        self._receive_values(pending)
+        self._receive_values(pending, deadline)
 
     def pushpull(
         self, key: KeyArg, value: Any, out: Any = None, priority: int = 0, *, borrow: bool = False
@@ -785,33 +873,40 @@ class KVStore:
         for state, v, o in work:
             self._check_value(state, v, "value")
             self._check_value(state, o, "out")
+        self._check_finite([(state, v) for state, v, _ in work])
+        deadline = self._deadline()
         pending = []
         for state, v, o in work:
             self._forget_unpulled_values(state)  # a pushpull is a push, and its own pull
             state.pushed_since_pull = False
             landing = _Landing(state, o, self._stats)
-            requests = self._send_pushes(state, v, Op.PUSHPULL, priority, landing, borrow)
+            requests = self._send_pushes(
+                state, v, Op.PUSHPULL, priority, landing, borrow, deadline=deadline
+            )
             pending.append((landing, requests))
-        self._receive_values(pending)
+        self._receive_values(pending, deadline)
 
-    def _receive_values(self, pending: Iterable[tuple[_Landing, list[Request]]]) -> None:
+    def _receive_values(
+        self, pending: Iterable[tuple[_Landing, list[Request]]], deadline: Deadline
+    ) -> None:
+        """Wait for the values of every key of one call, all within the call's ``deadline``."""
         first_error: BaseException | None = None
         for landing, requests in pending:
             state = landing.state
             if landing.on_io_thread:
-                if not landing.all_arrived.wait(self._options.timeout):
+                if not landing.all_arrived.wait(deadline.remaining()):
                     waiting = next(r for r in requests if not r.done())
                     first_error = first_error or KVStoreTimeoutError(
                         f"{waiting.what} to server {waiting.server} got no reply within "
-                        f"{self._options.timeout} s (KVSTORE_TIMEOUT); is another worker stuck "
-                        f"or dead?"
+                        f"{deadline.timeout} s (KVSTORE_TIMEOUT, for the whole call); is another "
+                        f"worker stuck?"
                     )
                 for error in landing.errors:
                     first_error = first_error or error
             else:
                 for chunk, request in zip(state.chunks, requests, strict=True):
                     try:
-                        landing.write(chunk, request.wait(self._options.timeout))
+                        landing.write(chunk, request.wait(deadline))
                         request.release_payloads()
                     except KVStoreError as exc:
                         first_error = first_error or exc
@@ -820,18 +915,24 @@ class KVStore:
             for index, push in enumerate(state.last_push):
                 if push is not None and push.failed() and first_error is None:
                     try:
-                        self._wait_push(state, index)
+                        self._wait_push(state, index, deadline)
                     except KVStoreError as exc:
                         first_error = exc
         if first_error is not None:
             raise first_error
 
-    def _wait_pushes(self, keys: Iterable[_KeyState] | None = None) -> None:
+    def _wait_pushes(
+        self, keys: Iterable[_KeyState] | None = None, deadline: Deadline | None = None
+    ) -> None:
+        """Wait for this worker's pushes (of ``keys``, or of all keys) within ``deadline``
+        (None: a call of its own); raise the first error after all ended."""
+        if deadline is None:
+            deadline = self._deadline()
         first_error: BaseException | None = None
         for state in keys if keys is not None else list(self._keys.values()):
             for index in range(len(state.chunks)):
                 try:
-                    self._wait_push(state, index)
+                    self._wait_push(state, index, deadline)
                 except KVStoreError as exc:
                     first_error = first_error or exc
         if first_error is not None:
@@ -852,9 +953,171 @@ class KVStore:
         So once any worker returns from ``barrier``, every worker's earlier pushes are applied.
         """
         self._check_open()
-        self._wait_pushes()
+        deadline = self._deadline()
+        self._wait_pushes(deadline=deadline)
         request = self._transport.submit(0, Op.BARRIER, what="barrier")
-        request.wait(self._options.timeout)
+        request.wait(deadline)
+
+    # checkpoints -------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save the job's state into the directory ``path``; collective (every worker calls it,
+        between steps).
+
+        Every server writes its shard (values, optimizer state, update counts) and every worker
+        its codec state (2-bit residuals) into a staging directory beside ``path``; rank 0
+        then writes ``manifest.json`` with every file's sha256 and renames the directory to
+        ``path`` (replacing an older checkpoint there). Returns on every worker once the
+        checkpoint is complete. A save that fails or is interrupted leaves nothing at ``path``
+        that loads (:mod:`kvstore.checkpoint`). ``path`` (made absolute here) must be the same
+        directory on every worker and server, e.g. on a shared file system.
+
+        In ``dist_sync`` call it after a step's pulls; it first waits for this worker's
+        pushes, like :meth:`barrier`.
+
+        Raises:
+            CheckpointError: a part could not be written (naming the process and the reason),
+                or a round was in flight on a server.
+        """
+        self._check_open()
+        with self._api_lock:
+            target = Path(path).absolute()
+            staging = checkpoint.staging_path(target)
+            mine = checkpoint.worker_file(self.rank)
+            local_error: BaseException | None = None
+            sha = ""
+            try:
+                self._wait_pushes()  # (an error here fails the call everywhere, not just here)
+                if self.rank == 0:
+                    checkpoint.clear_stale_manifest(staging)
+                arrays, meta = ckpt.codec_state(self._keys.values(), self.rank)
+                sha = checkpoint.write_part(staging, mine, arrays, meta)
+            except (OSError, KVStoreError) as exc:
+                local_error = exc
+            # Even when this worker failed: the servers refuse the call for everyone then.
+            self._checkpoint_call(Op.SAVE, {"p": str(staging)}, local_error, f"save to {target}")
+            finish_error: BaseException | None = None
+            if self.rank == 0:  # every part is in: the manifest, then the rename
+                try:
+                    checkpoint.finalize(
+                        target,
+                        staging,
+                        self._checkpoint_manifest(),
+                        checkpoint.part_names(self.num_servers, self.num_workers),
+                    )
+                except (OSError, KVStoreError) as exc:
+                    finish_error = exc
+            # Nobody returns before rank 0 finished (or failed).
+            self._transport.submit(0, Op.BARRIER, what="checkpoint barrier").wait(
+                self._options.timeout
+            )
+            if finish_error is not None:
+                raise CheckpointError(
+                    f"could not complete the checkpoint {target}: {finish_error}"
+                ) from finish_error
+            if self.rank != 0:
+                entry = checkpoint.read_manifest(target)["files"].get(mine, {})
+                if entry.get("sha256") != sha:
+                    raise CheckpointError(
+                        f"rank 0 did not complete the checkpoint {target} (see its error)"
+                    )
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore the state saved by :meth:`save_checkpoint`; collective, after the same
+        ``init`` calls as the saving job (and, optionally, the same ``set_optimizer``: without
+        one the checkpoint's optimizer is set).
+
+        Checks everything before anything changes: the manifest (complete, a format version
+        this pskv reads), the job's shape (mode, workers, servers), the keys with their shapes,
+        dtypes and compression, the optimizer, and every file's checksum; then every server
+        and worker restores its part. A resumed ``dist_sync`` job continues bit-identically to
+        one that was never stopped. Chunk sizes may differ from the saving job's
+        (``KVSTORE_PARTITION_BYTES``); ``KVSTORE_BIGARRAY_BOUND`` may not.
+
+        Raises:
+            CheckpointError: the checkpoint is incomplete, corrupted, newer, or of another job
+                (naming the key, file or rank); nothing was changed then.
+        """
+        self._check_open()
+        with self._api_lock:
+            target = Path(path).absolute()
+            local_error: BaseException | None = None
+            manifest: dict[str, Any] = {}
+            plan: dict[Key, list[dict[str, Any] | None]] = {}
+            try:
+                self._wait_pushes()
+                manifest = checkpoint.read_manifest(target)
+                checkpoint.check_job(
+                    manifest,
+                    mode=self.type,
+                    num_workers=self.num_workers,
+                    num_servers=self.num_servers,
+                )
+                checkpoint.compare_keys(manifest["keys"], self._checkpoint_keys())
+                mine = checkpoint.worker_file(self.rank)
+                arrays, meta = checkpoint.read_part(target, mine, manifest)
+                plan = ckpt.plan_restore(self._keys, arrays, meta, str(target / mine))
+            except (OSError, KVStoreError) as exc:
+                local_error = exc
+            fields: dict[str, Any] = {"p": str(target)}
+            try:
+                self._checkpoint_call(Op.LOAD, {**fields, "ph": 0}, local_error, f"load {target}")
+            except KVStoreError:
+                try:  # every server drops what it staged; nothing changed anywhere
+                    self._checkpoint_call(Op.LOAD, {**fields, "ph": 2}, None, "abort")
+                except KVStoreError as exc:
+                    logger.debug("aborting the load of %s: %s", target, exc)
+                raise
+            self._checkpoint_call(Op.LOAD, {**fields, "ph": 1}, None, f"load {target}")
+            for key, state in self._keys.items():
+                state.encoders = [None] * len(state.chunks)
+                state.restored = plan[key]
+                self._forget_unpulled_values(state)  # values of a push from before the load
+                state.pushed_since_pull = False
+            saved = manifest.get("optimizer")
+            if saved is not None:
+                self._optimizer = make_optimizer_spec(saved["name"], saved["params"])
+
+    def _checkpoint_keys(self) -> list[dict[str, Any]]:
+        return [
+            checkpoint.key_spec(s.key, s.shape, s.dtype, s.codec.spec())
+            for s in self._keys.values()
+        ]
+
+    def _checkpoint_manifest(self) -> dict[str, Any]:
+        optimizer = self._optimizer
+        return {
+            "pskv": __version__,
+            "mode": self.type,
+            "num_workers": self.num_workers,
+            "num_servers": self.num_servers,
+            "optimizer": None
+            if optimizer is None
+            else {"name": optimizer.name, "params": dict(optimizer.params)},
+            "keys": self._checkpoint_keys(),
+        }
+
+    def _checkpoint_call(
+        self, op: Op, fields: dict[str, Any], local_error: BaseException | None, what: str
+    ) -> None:
+        """Send a collective SAVE or LOAD to every server and wait for all of them. With
+        ``local_error`` (this worker could not do its part) the servers refuse the call for
+        every worker, and this worker raises its own error."""
+        if local_error is not None:
+            fields = {**fields, "er": f"{type(local_error).__name__}: {local_error}"[:2000]}
+        requests = [
+            self._transport.submit(s, op, fields, what=f"{what} (server {s})")
+            for s in range(self.num_servers)
+        ]
+        try:
+            wait_all(requests, self._options.timeout)
+        except KVStoreError:
+            if local_error is None:
+                raise
+        if local_error is not None:  # (the servers' error only repeats it)
+            if isinstance(local_error, KVStoreError):  # (a lost worker stays a WorkerLostError)
+                raise local_error
+            raise CheckpointError(f"{what}: {local_error}") from local_error
 
     # introspection -------------------------------------------------------------------------
 

@@ -31,8 +31,13 @@ keeps them alive and unchanged until the request completes (the encoders do: a c
 re-encoded before its previous push was answered).
 
 A TCP server that closes its connection (it died, or was stopped) fails every request pending on
-it with :class:`~kvstore.errors.ConnectionLostError`, and later requests to it fail at once, so a
-dead server never leaves a worker hanging.
+it with :class:`~kvstore.errors.ServerLostError` (a ``ConnectionLostError``), and later requests
+to it fail at once, so a dead server never leaves a worker hanging. So does a server that sent
+nothing for the heartbeat timeout (it stalled, or its host or network went away): the I/O
+thread pings every server that took this worker (a ``PING`` on its control connection, outside
+the send queues) as often as this worker's timeout and the server's own need
+(:mod:`kvstore.heartbeat`); any message received counts as a sign of life, so the hot path
+pays one clock read per batch of replies.
 
 With ``metrics`` (:class:`~kvstore.metrics.WorkerMetrics`) the I/O thread counts every request
 it hands to ZeroMQ, every reply and every ERROR reply; :meth:`Transport.queue_depths` is read
@@ -56,14 +61,19 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvstore import wire
+from kvstore import auth, wire
+from kvstore.config import CurveKeys, heartbeat_interval
 from kvstore.errors import (
+    AuthenticationError,
     ConnectionLostError,
     KVStoreError,
     KVStoreTimeoutError,
     ProtocolError,
+    ServerLostError,
+    WorkerLostError,
     error_from_code,
 )
+from kvstore.heartbeat import Liveness
 from kvstore.metrics import WorkerMetrics, frames_nbytes
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op
 from kvstore.worker.send_queue import SendQueue
@@ -86,6 +96,25 @@ _POLLIN = int(zmq.POLLIN)
 _socket_get = zmq.backend.Socket.get
 """libzmq's getsockopt as pyzmq's backend has it: the ``zmq.Socket`` method of the same name
 turns ZMQ_EVENTS into an enum, which costs half as much again as the option itself."""
+
+
+class Deadline:
+    """The end of one blocking call: ``KVSTORE_TIMEOUT`` bounds a whole call (a pull of many
+    keys, a close), not each wait within it, so all of a call's waits share one of these.
+
+    Args:
+        timeout: seconds from now; None: no end.
+    """
+
+    __slots__ = ("timeout", "end")
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.end = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        """Seconds left (0 once past the end), or None without an end."""
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
 
 
 class Request:
@@ -134,15 +163,20 @@ class Request:
     def failed(self) -> bool:
         return self._done and self._error is not None
 
-    def wait(self, timeout: float | None = None) -> Message:
-        """The reply message; raises the server's error, or on timeout/connection loss."""
+    def wait(self, timeout: float | Deadline | None = None) -> Message:
+        """The reply message; raises the server's error, or on timeout/connection loss.
+
+        ``timeout``: seconds, or the :class:`Deadline` of the call this wait is part of.
+        """
         if not self._done:
-            if self._gate.acquire(timeout=-1 if timeout is None else timeout):
+            seconds = timeout.remaining() if isinstance(timeout, Deadline) else timeout
+            if self._gate.acquire(timeout=-1 if seconds is None else seconds):
                 self._gate.release()  # let other waiters through too
         if not self._done:
+            limit = timeout.timeout if isinstance(timeout, Deadline) else timeout
             raise KVStoreTimeoutError(
-                f"{self.what} to server {self.server} got no reply within {timeout} s "
-                f"(KVSTORE_TIMEOUT); is another worker stuck or dead?"
+                f"{self.what} to server {self.server} got no reply within {limit} s "
+                f"(KVSTORE_TIMEOUT, for the whole call); is another worker stuck?"
             )
         if self._error is not None:
             raise self._error
@@ -193,15 +227,15 @@ class Request:
         self._gate.release()
 
 
-def wait_all(requests: Sequence[Request], timeout: float | None) -> list[Message]:
-    """Wait for every request (sharing one deadline); raise the first error after all ended."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+def wait_all(requests: Sequence[Request], timeout: float | Deadline | None) -> list[Message]:
+    """Wait for every request (sharing one deadline: ``timeout`` seconds from now, or the
+    call's :class:`Deadline`); raise the first error after all ended."""
+    deadline = timeout if isinstance(timeout, Deadline) else Deadline(timeout)
     replies: list[Message] = []
     first_error: BaseException | None = None
     for request in requests:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            replies.append(request.wait(remaining))
+            replies.append(request.wait(deadline))
         except KVStoreError as exc:
             if first_error is None:
                 first_error = exc
@@ -327,6 +361,15 @@ class Transport:
             full, and limit the kernel's unsent bytes per data connection to another host
             (0: a fixed ``window_bytes``, kernel buffers as the system sets them).
         metrics: where to count requests, replies and errors (None: nowhere).
+        heartbeat_timeout: a server that sent nothing for this many seconds is lost (its
+            requests fail with :class:`~kvstore.errors.ServerLostError`); 0: never. Every
+            server that took this worker is pinged every
+            :func:`~kvstore.config.heartbeat_interval` of this timeout or of the server's own
+            (which its HELLO reply gives), whichever is shorter.
+        curve: the job's CURVE credentials: every connection to a ``tcp://`` or ``ipc://``
+            server is then authenticated and encrypted (:mod:`kvstore.auth`), and a handshake
+            that fails (wrong keys, or keys on one side only) fails the requests to that server
+            with :class:`~kvstore.errors.AuthenticationError`. None: plain connections.
     """
 
     def __init__(
@@ -340,8 +383,25 @@ class Transport:
         tos: int = 0,
         queue_seconds: float = 0.0,
         metrics: WorkerMetrics | None = None,
+        curve: CurveKeys | None = None,
+        heartbeat_timeout: float = 0.0,
     ) -> None:
         self.servers = tuple(servers)
+        # Heartbeats (see _heartbeat): when each server was last heard from (None: servers are
+        # never declared lost here), how often to ping (None: never; the shortest interval of
+        # ours and the servers'), the servers to ping (those that answered a HELLO), when the
+        # next pings are due, and each server's last ping.
+        self._liveness: Liveness | None = None
+        self._heard: dict[Any, float] | None = None
+        self._ping_every: float | None = None
+        if heartbeat_timeout > 0:
+            self._ping_every = heartbeat_interval(heartbeat_timeout)
+            self._liveness = Liveness(heartbeat_timeout, self._ping_every)
+            self._heard = self._liveness.heard
+        self._ping_targets: set[int] = set()
+        self._beat_due = 0.0
+        self._pings: dict[int, Request] = {}
+        self._curve = curve
         self._metrics = metrics
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
@@ -354,6 +414,8 @@ class Transport:
         self._seq = itertools.count()  # one submission order across all queues
         self._pending: dict[int, Request] = {}
         self._lost: dict[int, str] = {}
+        self._refused: set[int] = set()  # lost servers that refused the handshake (credentials)
+        self._vague_failures: dict[tuple[int, int], int] = {}  # handshakes failed without detail
         self._connected: set[tuple[int, int]] = set()
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
@@ -375,9 +437,13 @@ class Transport:
                 sock.setsockopt(zmq.LINGER, 0)
                 if tos:
                     sock.setsockopt(zmq.TOS, tos)  # before connect: applies to the connection
+                if curve is not None and not address.startswith("inproc://"):
+                    auth.secure_client(sock, curve)  # (in-process: no handshake to secure)
                 entry = _Lane(rank, lane, sock, windowed=lane == LANE_DATA)
                 if address.startswith("tcp://"):
-                    events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                    events = (
+                        zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | auth.HANDSHAKE_FAILED_EVENTS
+                    )
                     self._monitors[sock.get_monitor_socket(events)] = entry
                 sock.connect(address)
                 self._by_socket[sock] = entry
@@ -442,7 +508,7 @@ class Transport:
                 )
                 self._wake()
         if lost is not None:
-            request._complete(None, ConnectionLostError(f"{request.what}: {lost}"))
+            request._complete(None, self._lost_error(server, request.what, lost))
         return request
 
     def queue_depths(self) -> dict[str, int]:
@@ -518,6 +584,8 @@ class Transport:
                         self._on_monitor(sock, lane)
                 to_read.clear()
                 wait_ms = self._flush()
+                if self._ping_every is not None:
+                    wait_ms = min(wait_ms, self._heartbeat())
                 with self._lock:
                     if self._closing:
                         return
@@ -596,7 +664,7 @@ class Transport:
                 lane.queue.pop()
                 lost = self._lost.get(lane.server)
             if lost is not None:
-                self._fail(request, ConnectionLostError(f"{request.what}: {lost}"))
+                self._fail(request, self._lost_error(lane.server, request.what, lost))
                 continue
             track = lane.windowed and bulk > 0
             self._sent_on.add(lane.sock)
@@ -629,6 +697,11 @@ class Transport:
         while _socket_get(sock, _EVENTS) & _POLLIN:
             self._on_reply(wire.recv_frames(sock))
             received = True
+        heard = self._heard
+        if received and heard is not None:  # a sign of life (heartbeats), once per batch
+            server = self._by_socket[sock].server
+            if server not in self._lost:  # (a lost server stays lost)
+                heard[server] = time.monotonic()
         return received
 
     def _on_reply(self, frames: list[Any]) -> None:
@@ -665,9 +738,13 @@ class Transport:
             return
         if msg.op is Op.ERROR:
             where = f"server {request.server} ({self.servers[request.server]})"
-            error = error_from_code(msg["code"], msg["msg"], where)
+            error = error_from_code(msg["code"], msg["msg"], where, msg.get("lr"))
             request._complete(None, error)
+            if request.op is Op.PING:
+                self._ping_refused(request, error)
         elif msg.op is Op.REPLY:
+            if request.op is Op.HELLO:
+                self._on_hello_reply(request.server, msg)
             request._complete(msg, None)
         else:
             request._complete(None, ProtocolError(f"unexpected {msg.op.name} as a reply"))
@@ -683,19 +760,129 @@ class Transport:
                 self._connected.add((rank, lane.lane))
                 if self._window.queue_seconds and lane.lane == LANE_DATA:  # a send queue in time
                     _limit_unsent(event["value"])
+            elif event["event"] & auth.HANDSHAKE_FAILED_EVENTS:
+                self._on_handshake_failed(rank, lane, event["event"], event["value"])
             elif event["event"] == zmq.EVENT_DISCONNECTED and (rank, lane.lane) in self._connected:
-                reason = (
+                self._server_lost(
+                    rank,
                     f"server {rank} ({self.servers[rank]}) closed the connection "
-                    f"(it stopped or died)"
+                    f"(it stopped or died)",
                 )
-                logger.error("%s", reason)
-                with self._lock:
-                    self._lost[rank] = reason
-                    failed = [r for r in self._pending.values() if r.server == rank]
-                    for request in failed:
-                        del self._pending[request.rid]
-                for request in failed:
-                    request._complete(None, ConnectionLostError(f"{request.what}: {reason}"))
+
+    def _on_handshake_failed(self, rank: int, lane: _Lane, event: int, value: int) -> None:
+        """A connection to server ``rank`` failed its handshake: wrong CURVE keys, or keys on
+        one side only. Nothing will ever get through (libzmq retries, to the same end), so every
+        request to the server fails now, and every later one at once."""
+        self._connected.discard((rank, lane.lane))  # its disconnection is not a server's loss
+        if rank in self._lost:
+            return
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            # Also what a server that dies during a handshake causes, once (its port refuses
+            # the retry); wrong keys fail every retry, 0.1 s apart.
+            failures = self._vague_failures.get((rank, lane.lane), 0) + 1
+            self._vague_failures[(rank, lane.lane)] = failures
+            if failures < 2:
+                return
+        where = f"server {rank} ({self.servers[rank]})"
+        reason = auth.describe_handshake_failure(event, value, where, self._curve is not None)
+        self._refused.add(rank)  # first: its requests fail with AuthenticationError
+        self._server_lost(rank, reason)
+
+    def _lost_error(self, server: int, what: str, reason: str) -> KVStoreError:
+        """The error of a request ``what`` to a lost server (``reason``: why it is lost)."""
+        if server in self._refused:
+            return AuthenticationError(f"{what}: {reason}")
+        return ServerLostError(f"{what}: {reason}", server, self.servers[server])
+
+    def _server_lost(self, server: int, reason: str) -> None:
+        """Declare ``server`` lost: fail every request pending on it, and later ones at once."""
+        with self._lock:
+            first = server not in self._lost
+            reason = self._lost.setdefault(server, reason)
+            failed = [r for r in self._pending.values() if r.server == server]
+            for request in failed:
+                del self._pending[request.rid]
+        if first:
+            logger.error("%s", reason)
+        if self._liveness is not None:
+            self._liveness.heard.pop(server, None)
+        for request in failed:
+            request._complete(None, self._lost_error(server, request.what, reason))
+
+    # heartbeats ------------------------------------------------------------------------------
+
+    def _heartbeat(self) -> int:
+        """Ping the servers and declare lost those silent for too long, when due (I/O thread).
+
+        Returns the milliseconds until the next time this is due. Every server that answered
+        a HELLO is pinged every ``_ping_every`` seconds on its control connection, unless its
+        last ping is still unanswered; any message from a server counts as a sign of life.
+        """
+        every = self._ping_every
+        assert every is not None
+        now = time.monotonic()
+        if now < self._beat_due:
+            return int((self._beat_due - now) * 1000) + 1
+        self._beat_due = now + every
+        liveness = self._liveness
+        if liveness is not None:
+            for server in liveness.overdue(now):
+                self._server_lost(
+                    server,
+                    f"server {server} ({self.servers[server]}) sent nothing for "
+                    f"{liveness.silence(server, now):.1f} s (KVSTORE_HEARTBEAT_TIMEOUT="
+                    f"{liveness.timeout:g}): it died, stalled or the network is down",
+                )
+        for server in list(self._ping_targets):
+            ping = self._pings.get(server)
+            if (ping is None or ping._done) and server not in self._lost:
+                self._send_ping(server)
+        return int(every * 1000) + 1
+
+    def _on_hello_reply(self, server: int, msg: Message) -> None:
+        """A server took this worker: ping it from now on, often enough for its heartbeat
+        timeout (``hb``) as well as ours (I/O thread)."""
+        self._ping_targets.add(server)
+        server_timeout = msg.get("hb", 0) / 1000
+        if server_timeout > 0:
+            every = heartbeat_interval(server_timeout)
+            if self._ping_every is None or every < self._ping_every:
+                self._ping_every = every
+
+    def _send_ping(self, server: int) -> None:
+        """Send a PING to ``server`` on its control lane now (I/O thread): no queue, no window."""
+        rid = next(self._ids)
+        frames = wire.encode(Op.PING, rid)
+        request = Request(rid, server, Op.PING, f"heartbeat to server {server}", len(frames[0]))
+        lane = self._lanes[server][LANE_CONTROL]
+        with self._lock:
+            if server in self._lost:
+                return
+            self._pending[rid] = request
+        self._sent_on.add(lane.sock)
+        try:
+            lane.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._fail(request, self._lost_error(server, request.what, f"send failed: {exc}"))
+            return
+        self._pings[server] = request
+
+    def _ping_refused(self, request: Request, error: KVStoreError) -> None:
+        """A server answered a PING with an error: if this worker was declared lost (it stalled
+        for longer than the timeout), its requests there will never be answered, so they fail
+        now; later ones are refused by the server itself."""
+        if not isinstance(error, WorkerLostError):
+            # (e.g. a ping that crossed this worker's goodbye)
+            logger.debug("%s: %s", request.what, error)
+            return
+        logger.error("%s: %s", request.what, error)
+        self._ping_targets.discard(request.server)  # (it will not serve this worker again)
+        with self._lock:
+            failed = [r for r in self._pending.values() if r.server == request.server]
+            for other in failed:
+                del self._pending[other.rid]
+        for other in failed:
+            other._complete(None, error)
 
     def _fail(self, request: Request, error: BaseException) -> None:
         with self._lock:

@@ -107,8 +107,12 @@ def flat_source(value: Any) -> Any:
     """A flat, contiguous array with the data of ``value`` (a view when possible).
 
     Host values give numpy arrays; GPU values give CuPy arrays (or, without CuPy, a host copy).
+    A numpy array in non-native byte order (``np.array(x, ">f4")`` on a little-endian host)
+    is converted, into a copy: payloads travel in native order and the kernels read it.
     """
     if isinstance(value, np.ndarray):
+        if not value.dtype.isnative:
+            return value.astype(value.dtype.newbyteorder("="), order="C").reshape(-1)
         return np.ascontiguousarray(value).reshape(-1)
     if _is_torch_tensor(value):
         tensor = value.detach()
@@ -133,8 +137,9 @@ def host_copy(flat: Any) -> np.ndarray:
 class FlatTarget:
     """Writes pulled chunks into ``out`` in place.
 
-    For a contiguous host ``out`` the chunks go straight into its memory; otherwise they go into
-    a staging array that :meth:`finish` copies into ``out``.
+    For a contiguous host ``out`` the chunks go straight into its memory; otherwise (also for
+    an ``out`` in non-native byte order) they go into a staging array that :meth:`finish`
+    copies into ``out``.
     """
 
     def __init__(self, out: Any) -> None:
@@ -160,10 +165,10 @@ class FlatTarget:
     def _init_numpy(self, out: np.ndarray) -> None:
         if not out.flags.writeable:
             raise ValueError("`out` is read-only")
-        if out.flags.c_contiguous:
+        if out.flags.c_contiguous and out.dtype.isnative:
             self.flat = out.reshape(-1)
-        else:
-            staging = np.empty(out.size, dtype=out.dtype)
+        else:  # (np.copyto below converts the byte order where out's is not native)
+            staging = np.empty(out.size, dtype=out.dtype.newbyteorder("="))
             self.flat = staging
 
             def finish() -> None:

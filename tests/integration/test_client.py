@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import kvtest
@@ -91,10 +92,11 @@ def test_chunks_longer_than_the_inline_limit_are_summed_on_the_thread_pool(
 ):
     """With a large partition a chunk exceeds INLINE_ELEMS and its decode, sum and optimizer
     step run on the server's pool threads instead of its event loop: same results."""
-    addresses = servers_factory(1, 2)
     n = INLINE_ELEMS + 4096
     grad = np.where(np.arange(n) % 3 == 0, 0.5, -0.5).astype(np.float32)  # exact in 2-bit
     partition_bytes = 16 * n  # a quarter partition (the shortest chunk) is n elements
+    # (the servers derive their message size limit from the workers' partition size)
+    addresses = servers_factory(1, 2, env={"KVSTORE_PARTITION_BYTES": str(partition_bytes)})
     partition = partition_elems_for(partition_bytes, 4)
     chunks = plan_chunks(
         "sum", n, 1, bigarray_bound=DEFAULT_BIGARRAY_BOUND, partition_elems=partition
@@ -243,15 +245,19 @@ def test_async_pushes_never_ask_for_values(one_server):
 
 def test_pull_waits_for_the_round_and_reads_own_pushes(servers_factory):
     addresses = servers_factory(1, 2)
+    # Rank 1 pushes only once rank 0 has pushed: rank 0's second push (a new round) and its
+    # pull must then wait for rank 1 (the order of events is the test, not how long it took).
+    rank0_pushed = threading.Event()
 
     def worker(rank):
         with connect(addresses, rank, 2) as kv:
             kv.init(0, np.zeros(4, np.float32))
             if rank == 1:
-                time.sleep(0.5)  # rank 0's pull must wait for this push
-            start = time.monotonic()
+                assert rank0_pushed.wait(timeout=60)  # a hang guard
+                time.sleep(0.2)  # (only makes it likelier that rank 0 is waiting by now)
             kv.push(0, np.full(4, rank + 1, np.float32))
             if rank == 0:
+                rank0_pushed.set()
                 kv.push(0, np.full(4, 10, np.float32))  # waits for round 1: a new round
             out = np.empty(4, np.float32)
             if rank == 1:
@@ -259,13 +265,12 @@ def test_pull_waits_for_the_round_and_reads_own_pushes(servers_factory):
                 first = out.copy()  # round 1 only
                 kv.push(0, np.full(4, 20, np.float32))
             kv.pull(0, out=out)
-            waited = time.monotonic() - start
-            return (first if rank == 1 else None), out, waited
+            return (first if rank == 1 else None), out
 
-    (_, out0, waited0), (first1, out1, _) = run_ranks(2, worker)
+    (_, out0), (first1, out1) = run_ranks(2, worker)
     assert first1.tolist() == [3] * 4
+    # rank 0's pull returned round 2, with both of rank 1's pushes, all issued after its own
     assert out0.tolist() == out1.tolist() == [30] * 4
-    assert waited0 >= 0.4
 
 
 def test_barrier_means_every_push_is_applied(servers_factory):

@@ -216,3 +216,24 @@ def test_the_job_secret_is_mounted_by_both():
     # each side gets its own secret key only
     assert "client-secret-key" not in mounted["StatefulSet"]
     assert "server-secret-key" not in mounted["Job"]
+
+
+def test_both_read_the_mounted_keys(tmp_path):
+    """KVSTORE_AUTH_DIR points at the mount, and what each side mounts is what it reads."""
+    from kvstore.auth import JobKeys  # noqa: PLC0415
+    from kvstore.config import curve_keys_from_env  # noqa: PLC0415
+
+    docs = _manifests()
+    keys = JobKeys.generate()
+    secret = keys.k8s_secret(docs["Secret"]["metadata"]["name"])
+    data = pytest.importorskip("yaml").safe_load(secret)["stringData"]
+    assert set(data) == set(docs["Secret"]["stringData"])
+    for kind, role in (("StatefulSet", "server"), ("Job", "worker")):
+        (mount,) = _container(docs[kind])["volumeMounts"]
+        assert _env(_container(docs[kind]))["KVSTORE_AUTH_DIR"]["value"] == mount["mountPath"]
+        (volume,) = docs[kind]["spec"]["template"]["spec"]["volumes"]
+        folder = tmp_path / role
+        folder.mkdir()
+        for item in volume["secret"]["items"]:
+            (folder / item["path"]).write_text(data[item["key"]])
+        assert curve_keys_from_env(role, {"KVSTORE_AUTH_DIR": str(folder)}) == keys.for_role(role)

@@ -32,6 +32,7 @@ def test_distribution_scripts_and_extras():
     assert scripts == {
         "kvstore-server": "kvstore.server.__main__:main",
         "kvstore-launch": "kvstore.deploy.__main__:main",
+        "kvstore-keygen": "kvstore.auth:main",
     }
     extras = set(dist.metadata.get_all("Provides-Extra"))
     assert {"gpu", "torch", "dev"} <= extras

@@ -52,6 +52,11 @@ def test_metrics_depends_on_the_base_modules_only():
     assert _internal_imports(REPO / "kvstore/metrics.py") <= allowed
 
 
+def test_checkpoint_format_depends_on_errors_only():
+    # The file format is shared by the server and the worker, which never import each other.
+    assert _internal_imports(REPO / "kvstore/checkpoint.py") <= {"kvstore.errors"}
+
+
 def test_codecs_depend_on_the_base_only():
     allowed = ("kvstore.errors", "kvstore.config", "kvstore.wire", "kvstore.codecs")
     for path, imports in _imports_of("codecs").items():

@@ -1,0 +1,31 @@
+"""The CuPy count of NaN and infinities equals the CPU kernels' on every float dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.codecs.finite import count_nonfinite
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'pskv[gpu]')")
+try:
+    _devices = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # no driver
+    _devices = 0
+if _devices < 1:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32"])
+def test_gpu_count_matches_the_cpu(dtype):
+    rng = np.random.default_rng(3)
+    for n in [0, 1, 17, 4097, 1_000_003]:
+        x = rng.standard_normal(n).astype(dtype)
+        if n and dtype.startswith("float"):
+            spots = rng.integers(0, n, size=min(n, 50))
+            x[spots] = rng.choice(np.array([np.nan, np.inf, -np.inf, 1.0], dtype), spots.size)
+        expected = count_nonfinite(x, kernels="numpy")
+        assert count_nonfinite(x, kernels="numba") == expected
+        assert count_nonfinite(cupy.asarray(x)) == expected
