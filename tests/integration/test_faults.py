@@ -441,6 +441,8 @@ def test_a_replacement_rejoins_a_dist_async_job_with_its_optimizer(processes):
         assert second.call("init", keys=["w"], values=[[0.0] * LENGTH]) is None
         assert second.call("pull", keys=["w"], length=LENGTH) == [[7.0] * LENGTH]
         second.call("push", keys=["w"], values=[[4.0] * LENGTH])  # 7 - 0.5 * 4 = 5
+        # Its pull waits until its push was applied (a push returns once encoded).
+        assert second.call("pull", keys=["w"], length=LENGTH) == [[5.0] * LENGTH]
         out = np.zeros(LENGTH, np.float32)
         kv.push("w", np.full(LENGTH, 2, np.float32))  # 5 - 0.5 * 2 = 4
         kv.pull("w", out=out)
