@@ -250,3 +250,17 @@ def connect(
 
     kwargs.setdefault("timeout", 30)
     return kvstore.create(mode, servers=addresses, rank=rank, num_workers=num_workers, **kwargs)
+
+
+def require_cupy() -> Any:
+    """CuPy, for the GPU tests; skips the calling module without CuPy or a CUDA device."""
+    import pytest
+
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'pskv[gpu]')")
+    try:
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no driver
+        devices = 0
+    if devices < 1:
+        pytest.skip("no CUDA device", allow_module_level=True)
+    return cupy

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvtest import require_cupy
 
 import kvstore
 from kvstore.codecs import get_codec
 
-cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'pskv[gpu]')")
-try:
-    _devices = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # no driver
-    _devices = 0
-if _devices < 1:
-    pytest.skip("no CUDA device", allow_module_level=True)
+cupy = require_cupy()
 
 pytestmark = pytest.mark.gpu
 

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvtest import require_cupy
 
 from kvstore.codecs.finite import count_nonfinite
 
-cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install 'pskv[gpu]')")
-try:
-    _devices = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # no driver
-    _devices = 0
-if _devices < 1:
-    pytest.skip("no CUDA device", allow_module_level=True)
+cupy = require_cupy()
 
 pytestmark = pytest.mark.gpu
 
