@@ -229,16 +229,7 @@ def read_part(
     entry = manifest.get("files", {}).get(name)
     if not isinstance(entry, dict):
         raise CheckpointError(f"{path.parent}: the manifest does not list {name}")
-    try:
-        sha, size = file_sha256(path)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read the checkpoint file: {exc}") from exc
-    if size != entry.get("bytes") or sha != entry.get("sha256"):
-        raise CheckpointError(
-            f"{path} does not match the manifest (size {size}, sha256 {sha[:16]}..., expected "
-            f"{entry.get('bytes')}, {str(entry.get('sha256'))[:16]}...): the file was changed "
-            f"or corrupted after the checkpoint was written"
-        )
+    _verify_file(path, entry)
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
@@ -259,16 +250,21 @@ def verify_parts(directory: str | os.PathLike[str], manifest: Mapping[str, Any])
     """
     folder = Path(directory)
     for name, entry in sorted(manifest.get("files", {}).items()):
-        path = folder / name
-        try:
-            sha, size = file_sha256(path)
-        except OSError as exc:
-            raise CheckpointError(f"{path}: cannot read the checkpoint file: {exc}") from exc
-        if size != entry.get("bytes") or sha != entry.get("sha256"):
-            raise CheckpointError(
-                f"{path} does not match the manifest: the file was changed or corrupted "
-                f"after the checkpoint was written"
-            )
+        _verify_file(folder / name, entry)
+
+
+def _verify_file(path: Path, entry: Mapping[str, Any]) -> None:
+    """Check one file against its manifest entry (``bytes`` and ``sha256``)."""
+    try:
+        sha, size = file_sha256(path)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint file: {exc}") from exc
+    if size != entry.get("bytes") or sha != entry.get("sha256"):
+        raise CheckpointError(
+            f"{path} does not match the manifest (size {size}, sha256 {sha[:16]}..., expected "
+            f"{entry.get('bytes')}, {str(entry.get('sha256'))[:16]}...): the file was changed "
+            f"or corrupted after the checkpoint was written"
+        )
 
 
 # manifest ----------------------------------------------------------------------------------------

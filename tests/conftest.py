@@ -39,6 +39,19 @@ def one_server():
     kvtest.stop_processes([s.process for s in servers])
 
 
+@pytest.fixture
+def client(one_server):
+    """A raw wire client of ``one_server`` (no kvstore client logic); says BYE at teardown."""
+    c = kvtest.RawClient(one_server)
+    yield c
+    try:
+        c.send("BYE")
+        c.receive(timeout=2)
+    except Exception:  # the test may have left the connection unusable
+        pass
+    c.close()
+
+
 @pytest.fixture(scope="module")
 def two_servers_two_workers():
     servers = kvtest.start_servers(2, 2)

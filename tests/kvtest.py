@@ -264,3 +264,15 @@ def require_cupy() -> Any:
     if devices < 1:
         pytest.skip("no CUDA device", allow_module_level=True)
     return cupy
+
+
+def launch(*args: str, env: dict[str, str], cwd: Any = None) -> subprocess.CompletedProcess:
+    """Run ``kvstore-launch ARGS`` to its end (2-minute hang guard), capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.deploy", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=cwd,
+    )

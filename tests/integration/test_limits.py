@@ -50,18 +50,6 @@ def small_server(servers_factory):
     return servers_factory(1, 1, env={"KVSTORE_PARTITION_BYTES": str(SMALL_PARTITION)})[0]
 
 
-@pytest.fixture
-def client(one_server):
-    c = RawClient(one_server)
-    yield c
-    try:
-        c.send("BYE")
-        c.receive(timeout=2)
-    except Exception:
-        pass
-    c.close()
-
-
 @pytest.mark.parametrize("odd", [["float32"], {"a": 1}])
 def test_arrays_and_maps_for_dtype_and_mode_get_error_replies(client, one_server, odd):
     """They raised TypeError in decode: logged as an unexpected error, never answered."""

@@ -31,18 +31,6 @@ def assert_server_still_serves(address):
         assert out.tolist() == [2, 2, 2]
 
 
-@pytest.fixture
-def client(one_server):
-    c = RawClient(one_server)
-    yield c
-    try:
-        c.send("BYE")
-        c.receive(timeout=2)
-    except Exception:
-        pass
-    c.close()
-
-
 def test_garbage_and_malformed_frames_get_error_replies(client, one_server):
     client.send_frames([b"\xc1\xc1 not msgpack"])
     assert_error(client.receive(), "bad_message", "not valid msgpack")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from kvtest import launch
 
 pytestmark = pytest.mark.integration
 
@@ -58,17 +58,6 @@ def slurm_env(tmp_path):
         SLURM_JOB_ID="4242",
     )
     return env, records
-
-
-def launch(*args: str, env: dict[str, str], cwd) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "kvstore.deploy", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=cwd,
-    )
 
 
 def test_a_job_runs_through_srun_on_the_allocations_nodes(slurm_env, tmp_path):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from kvtest import launch
 
 from kvstore import _logging
 
@@ -30,16 +31,6 @@ def _env(**changes: str | None) -> dict[str, str]:
         else:
             env[name] = value
     return env
-
-
-def launch(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "kvstore.deploy", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
 
 
 def run_worker(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
