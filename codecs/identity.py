@@ -21,7 +21,7 @@ from kvstore.codecs.base import (
     register_codec,
     squared_norm,
 )
-from kvstore.codecs.xp import array_module, pinned_empty
+from kvstore.codecs.xp import array_module, device_to_host, pinned_empty
 
 
 class _HostIdentityEncoder(Encoder):
@@ -35,7 +35,7 @@ class _HostIdentityEncoder(Encoder):
         if isinstance(values, np.ndarray):
             np.copyto(self._buffer, values, casting="no")
         else:  # a CuPy array: device-to-host copy into pinned memory
-            values.get(out=self._buffer)
+            device_to_host(values, self._buffer)
         return [self._buffer]
 
     def borrow(self, values: Any) -> list[Any] | None:

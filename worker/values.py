@@ -2,9 +2,9 @@
 
 The client works on flat, contiguous 1-D arrays: numpy for host memory, CuPy for GPU memory.
 This module turns a user value into such an array without copying when it can (a contiguous
-numpy array or CPU tensor is viewed, a CUDA tensor is wrapped by CuPy through
-``__cuda_array_interface__``), and writes results back into ``out`` in place, keeping its type
-and device.
+numpy array or CPU tensor is viewed, a CUDA tensor is wrapped by CuPy through DLPack), and
+writes results back into ``out`` in place, keeping its type and device. Pulled values bound for
+GPU memory land through a page-locked staging buffer (:func:`kvstore.codecs.xp.host_to_device`).
 
 torch and CuPy are imported only when a value of theirs shows up.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.xp import cupy_or_none, is_cupy_array
+from kvstore.codecs.xp import cupy_or_none, host_to_device, is_cupy_array
 from kvstore.wire import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,12 @@ def describe(value: Any, name: str = "value") -> ValueInfo:
 
 
 def _cuda_tensor_to_cupy(tensor: Any) -> Any:
+    """A CuPy array sharing the CUDA tensor's memory (DLPack: zero-copy, and ordered after the
+    work torch queued on its current stream), or None without CuPy."""
     cupy = cupy_or_none()
     if cupy is None:
         return None
-    return cupy.asarray(tensor.detach())
+    return cupy.from_dlpack(tensor.detach())
 
 
 def _warn_cuda_fallback() -> None:
@@ -210,7 +212,7 @@ class FlatTarget:
     def write(self, start: int, stop: int, data: np.ndarray) -> None:
         """Copy host ``data`` into elements ``[start, stop)``."""
         if self.on_gpu:
-            self.flat[start:stop].set(data)
+            host_to_device(data, self.flat[start:stop])
         else:
             np.copyto(self.flat[start:stop], data, casting="no")
 
@@ -241,9 +243,17 @@ def device_stream(value: Any) -> Iterator[None]:
     import torch  # noqa: PLC0415
 
     with cupy.cuda.Device(value.device.index or 0):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(value.device).cuda_stream)
-        with stream:
+        with _cupy_stream(cupy, torch.cuda.current_stream(value.device)):
             yield
+
+
+def _cupy_stream(cupy: Any, torch_stream: Any) -> Any:
+    """CuPy's handle of a torch CUDA stream (through the CUDA stream protocol where both sides
+    speak it; CuPy versions before 14 only take the raw pointer)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
+        return from_external(torch_stream)
+    return cupy.cuda.ExternalStream(torch_stream.cuda_stream)
 
 
 def gpu_device_of(flat: Any) -> Any:
