@@ -1,12 +1,20 @@
 """Gradient codecs: the :class:`Codec` interface, the registry, and the built-in codecs.
 
-Built in: ``"none"`` (identity) and ``"2bit"`` (MXNet-compatible threshold quantization with
-residuals). Get one with :func:`get_codec` or :func:`codec_from_spec`::
+Built in: ``"none"`` (identity), ``"2bit"`` (MXNet-compatible threshold quantization with
+residuals) and the sparse family ``"threshold"``, ``"topk"``, ``"randomk"`` and ``"dgc"``
+(:mod:`kvstore.codecs.sparse`). Get one with :func:`get_codec` or :func:`codec_from_spec`::
 
     codec = codec_from_spec({"type": "2bit", "threshold": 0.5})
 """
 
-from kvstore.codecs import identity, twobit  # noqa: F401  (registers the built-in codecs)
+from kvstore.codecs import (  # noqa: F401  (importing a codec's module registers it)
+    dgc,
+    identity,
+    randomk,
+    threshold,
+    topk,
+    twobit,
+)
 from kvstore.codecs.base import (
     Aggregator,
     Codec,

@@ -109,6 +109,10 @@ class Encoder(ABC):
         dtype: the value dtype name.
     """
 
+    label: str = "a key"
+    """What the encoder's log messages call its key; the client sets it to the key's
+    description (``key 'w' (shape (3, 4), float32)``)."""
+
     state_names: ClassVar[tuple[str, ...]] = ()
     """The attributes (numpy or CuPy arrays) that hold the encoder's state between pushes:
     everything the next :meth:`encode` depends on besides its input (2-bit: ``residual``).
@@ -179,6 +183,39 @@ class Encoder(ABC):
         default) where the codec does not say.
         """
         return None
+
+
+class KeyEncoder:
+    """Worker-side encoder of one whole key: one :class:`Encoder` per chunk, plus the work a
+    codec does once per push over the whole key (:meth:`begin`).
+
+    Most codecs encode each chunk on its own, and their key encoder is just the chunks'
+    encoders (this class as it is). A codec whose selection spans the whole key (top-k's ``k``
+    is per key) does it in :meth:`begin` and lets each chunk's :meth:`Encoder.encode` return
+    that chunk's share; its chunk encoders may be views into key-level state.
+
+    Attributes:
+        chunks: one encoder per chunk, in chunk order. Their :meth:`~Encoder.encode`,
+            :meth:`~Encoder.quality`, :meth:`~Encoder.state` and :meth:`~Encoder.load_state`
+            work per chunk, as without a key encoder.
+    """
+
+    whole_key: ClassVar[bool] = False
+    """True when :meth:`begin` writes the payload buffers of every chunk: the caller then
+    lets the previous push of every chunk be sent before calling it."""
+
+    def __init__(self, chunks: Sequence[Encoder]) -> None:
+        self.chunks = list(chunks)
+
+    def begin(self, values: Any, *, finite: bool = False) -> None:
+        """Called once per push with the whole key's flat values (numpy or CuPy), before any
+        chunk is encoded; then each chunk's ``encode`` gets its slice of ``values``. Does
+        nothing by default.
+
+        ``finite``: the caller has checked that ``values`` hold no NaN or infinity (the client
+        does, before any chunk of a push is sent), so an encoder that would check it itself
+        may skip that pass.
+        """
 
 
 class Aggregator(ABC):
@@ -287,9 +324,33 @@ class Codec(ABC):
     def make_encoder(self, numel: int, dtype: str, device: Any = None) -> Encoder:
         """A worker-side encoder; ``device`` is None for host memory or a CuPy device."""
 
+    def make_key_encoder(
+        self,
+        key: Any,
+        numel: int,
+        dtype: str,
+        bounds: Sequence[tuple[int, int]],
+        device: Any = None,
+    ) -> KeyEncoder:
+        """The worker-side encoder of a whole key of ``numel`` elements, split into chunks at
+        ``bounds`` (each chunk's ``(start, stop)``, in order, covering ``[0, numel)``).
+
+        By default every chunk gets its own :meth:`make_encoder` and nothing is done per key;
+        codecs whose selection spans the key override this.
+        """
+        return KeyEncoder(
+            [self.make_encoder(stop - start, dtype, device) for start, stop in bounds]
+        )
+
     @abstractmethod
     def make_aggregator(self, numel: int, dtype: str) -> Aggregator:
         """A server-side aggregator for a chunk of ``numel`` elements."""
+
+    def check_optimizer(self, name: str, params: Mapping[str, Any]) -> None:
+        """Raise CodecError if a server optimizer ``name`` with the validated hyperparameters
+        ``params`` must not update keys of this codec (DGC applies momentum on the workers, so
+        a server optimizer with momentum would apply it twice). Accepts anything by default."""
+        return None
 
     relayable: ClassVar[bool] = False
     """True when :meth:`sum_relay` reproduces the aggregator's sum of a round bit for bit."""
@@ -299,13 +360,15 @@ class Codec(ABC):
 
         A relay is worth it while its bytes are at most half the dense value's; the worker
         sends this number with its pull and the server relays only rounds of at most that many
-        pushes.
+        pushes, whose bytes it also checks (:func:`relay_fits`). Where the payload sizes depend
+        on the data, the number of pushes says nothing and the byte check alone decides
+        (:data:`ANY_RELAY_PUSHES`).
         """
         if not self.relayable or numel == 0:
             return 0
         sizes = self.payload_nbytes(numel, dtype)
         if sizes is None:
-            return 0
+            return ANY_RELAY_PUSHES
         dense = numel * np.dtype(dtype).itemsize
         return (dense // 2) // max(1, sum(sizes))
 
@@ -333,6 +396,18 @@ class Codec(ABC):
                 f"codec {self.name!r}: a chunk of {numel} {dtype} elements needs payload frames "
                 f"of {list(expected)} bytes, got {list(sizes)}"
             )
+
+
+ANY_RELAY_PUSHES = 1 << 20
+"""The relay limit of codecs whose payload sizes depend on the data (sparse ones): any number
+of pushes, as long as the round's bytes are at most half the dense value's."""
+
+
+def relay_fits(pushes: Sequence[Payloads], numel: int, dtype: str) -> bool:
+    """Whether relaying ``pushes`` (one round's payloads) moves at most half the bytes of the
+    dense ``numel``-element value: the server relays a round only then."""
+    nbytes = sum(memoryview(getattr(f, "buffer", f)).nbytes for push in pushes for f in push)
+    return 2 * nbytes <= numel * np.dtype(dtype).itemsize
 
 
 # Validation helpers for codec parameters -------------------------------------------------------

@@ -468,7 +468,9 @@ def cut(
 
     Args:
         pieces: ``(start, numel, arrays)`` of the saved chunks of the key (any order); every
-            array of a piece has ``numel`` elements, and the pieces have the same array names.
+            array of a piece has ``numel`` elements, or is a 0-d array holding a value of the
+            whole key that every chunk keeps a copy of (a sparse codec's push count), and the
+            pieces have the same array names.
         start, stop: the range wanted.
         what: names the range in errors (``"key 'w' chunk 2 on server 1"``).
 
@@ -501,6 +503,9 @@ def cut(
     result = {}
     for name in names:
         parts = []
+        if np.ndim(covering[0][2][name]) == 0:  # a value of the whole key: any copy
+            result[name] = covering[0][2][name]
+            continue
         for piece_start, numel, arrays in covering:
             lo, hi = max(start, piece_start) - piece_start, min(stop, piece_start + numel)
             array = arrays[name]

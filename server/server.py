@@ -76,7 +76,7 @@ import zmq
 
 from kvstore import auth, checkpoint, wire
 from kvstore.codecs import codec_from_spec
-from kvstore.codecs.base import frame_array
+from kvstore.codecs.base import frame_array, relay_fits
 from kvstore.config import ServerConfig, heartbeat_interval
 from kvstore.errors import (
     CheckpointError,
@@ -823,6 +823,9 @@ class ShardServer:
             )
         codec = codec_from_spec({"type": msg["cd"], **msg["cp"]})
         codec.check_dtype(msg["dt"], f"key {msg['k']!r}")
+        optimizer = self._job.optimizer
+        if optimizer is not None:  # e.g. DGC under an optimizer with momentum
+            codec.check_optimizer(optimizer.spec.name, optimizer.spec.params)
         nbytes = count * np.dtype(msg["dt"]).itemsize
         if self._max_message is not None and nbytes > self._max_message:
             # Its value could never arrive: refused before any state is allocated for it.
@@ -1006,7 +1009,11 @@ class ShardServer:
                     # Without an optimizer the new value is exactly the sum of these pushes
                     # (summed stays empty for codecs that cannot relay).
                     relayable = (
-                        bool(summed) and self._job.optimizer is None and chunk.master is None
+                        bool(summed)
+                        and self._job.optimizer is None
+                        and chunk.master is None
+                        # (sparse pushes vary in size: relay only while it saves bytes)
+                        and relay_fits(summed, chunk.spec.numel, chunk.spec.dtype)
                     )
                     chunk.relay = summed if relayable else None
                 else:  # copied: the aggregator reuses its buffers in the next round
@@ -1166,6 +1173,11 @@ class ShardServer:
     def _on_set_optimizer(self, identity: bytes, rank: int, msg: Message) -> None:
         spec = make_optimizer_spec(msg["opt"], msg["hp"])
         job = self._job
+        for codec in {chunk.codec for chunk in job.chunks.values()}:
+            try:  # e.g. momentum on the servers for DGC, which applies it on the workers
+                codec.check_optimizer(spec.name, spec.params)
+            except CodecError as exc:
+                raise RequestError(ErrorCode.OPTIMIZER, str(exc)) from exc
         if rank in job.rejoined:
             # A replacement runs its script from the top: its first set_optimizer, equal to
             # the job's optimizer, is a no-op that waits for nobody (the others made it long ago).

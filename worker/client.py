@@ -1,8 +1,10 @@
 """The worker-side client: :class:`KVStore`, with MXNet's ``push``/``pull`` vocabulary.
 
 Per key the client keeps its shape, dtype, chunks (:func:`kvstore.topology.plan_chunks`), the
-codec chosen when it was initialised, and per chunk one :class:`~kvstore.codecs.Encoder` (which
-holds this worker's residual for that chunk) plus the chunk's last push in flight.
+codec chosen when it was initialised, its :class:`~kvstore.codecs.base.KeyEncoder` with one
+:class:`~kvstore.codecs.Encoder` per chunk (which holds this worker's residual for that chunk;
+codecs that select over the whole key, like top-k, do that once per push in the key encoder),
+plus each chunk's last push in flight.
 
 Ordering: ``push`` encodes each chunk on the caller's thread and queues it; it returns when the
 caller's value is no longer needed, without waiting for the network. A chunk is re-encoded only
@@ -21,11 +23,13 @@ sent (:meth:`~kvstore.codecs.Encoder.quality`).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import math
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +41,8 @@ import numpy as np
 from kvstore import checkpoint
 from kvstore._malloc import tune_malloc
 from kvstore._version import __version__
-from kvstore.codecs import Codec, Encoder, codec_from_spec
-from kvstore.codecs.base import PushQuality, frame_array
+from kvstore.codecs import Codec, Encoder, codec_from_spec, xp
+from kvstore.codecs.base import KeyEncoder, PushQuality, frame_array
 from kvstore.codecs.finite import count_nonfinite
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.config import ClusterConfig, WorkerOptions
@@ -51,6 +55,7 @@ from kvstore.errors import (
     KVStoreError,
     KVStoreTimeoutError,
     NonFiniteError,
+    OptimizerError,
     ProtocolError,
     UsageError,
     ValueMismatchError,
@@ -80,6 +85,16 @@ class TrafficStats:
         pulled_bytes: value bytes received by pull/pushpull replies.
         push_messages: push/pushpull messages sent.
         pull_messages: pull replies received.
+        encode_seconds: time in the encoders (GPU values: their kernels, until done), the
+            device-to-host copies of the payloads excluded.
+        d2h_seconds: device-to-host copies of GPU values' payloads into pinned host memory.
+        wire_seconds: time pull and pushpull calls waited for the servers' replies (for host
+            ``out`` arrays, the copies that land replies as they arrive included).
+        h2d_seconds: host-to-device copies of pulled values into GPU ``out`` arrays.
+
+    The times are this process's wall-clock seconds inside this store's calls (the transfer
+    clock, :data:`kvstore.codecs.xp.TRANSFERS`, is per process: stores used at once from
+    several threads of one process may see each other's copies).
     """
 
     pushed_bytes: int = 0
@@ -87,6 +102,10 @@ class TrafficStats:
     pulled_bytes: int = 0
     push_messages: int = 0
     pull_messages: int = 0
+    encode_seconds: float = 0.0
+    d2h_seconds: float = 0.0
+    wire_seconds: float = 0.0
+    h2d_seconds: float = 0.0
 
     @property
     def compression_ratio(self) -> float:
@@ -101,6 +120,10 @@ class TrafficStats:
             "push_messages": self.push_messages,
             "pull_messages": self.pull_messages,
             "compression_ratio": self.compression_ratio,
+            "encode_seconds": self.encode_seconds,
+            "d2h_seconds": self.d2h_seconds,
+            "wire_seconds": self.wire_seconds,
+            "h2d_seconds": self.h2d_seconds,
         }
 
 
@@ -111,6 +134,9 @@ class _KeyState:
     dtype: str
     codec: Codec
     chunks: tuple[Chunk, ...]
+    # The key's encoder (made at its first push, where its device is known) and its chunks'
+    # encoders, in chunk order (all None before).
+    key_encoder: KeyEncoder | None = None
     encoders: list[Encoder | None] = field(default_factory=list)
     encoder_device: Any = None
     last_push: list[Request | None] = field(default_factory=list)
@@ -211,6 +237,27 @@ class _Landing:
         except CodecError as exc:
             raise ProtocolError(f"{where}: {exc}") from exc
         return sum(buffer_nbytes(frame) for frame in frames)
+
+
+class _EncodeClock:
+    """Splits the time of encoder calls into encoding and device-to-host copies (read off
+    the process's transfer clock) and adds them to ``stats``."""
+
+    def __init__(self, stats: TrafficStats) -> None:
+        self._stats = stats
+        self.start()
+
+    def start(self) -> None:
+        self._began = time.perf_counter()
+        self._copies = xp.TRANSFERS.d2h_seconds
+
+    def lap(self) -> None:
+        """Count the time since :meth:`start` (or the last lap) and start again."""
+        now = time.perf_counter()
+        d2h = xp.TRANSFERS.d2h_seconds - self._copies
+        self._stats.d2h_seconds += d2h
+        self._stats.encode_seconds += now - self._began - d2h
+        self._began, self._copies = now, xp.TRANSFERS.d2h_seconds
 
 
 def servers_on_this_host(addresses: Sequence[str]) -> bool:
@@ -474,7 +521,8 @@ class KVStore:
 
         Raises:
             UsageError: a key was already initialised (the codec is fixed at init).
-            CodecError: unknown codec type or bad parameters.
+            CodecError: unknown codec type or bad parameters, or a codec the optimizer already
+                set cannot work with (DGC and momentum).
         """
         self._check_open()
         with self._api_lock:
@@ -484,7 +532,10 @@ class KVStore:
                     f"set_gradient_compression must be called before init; keys already "
                     f"initialised: {some}"
                 )
-            self._codec = codec_from_spec(compression_params)
+            codec = codec_from_spec(compression_params)
+            if self._optimizer is not None:  # e.g. DGC after an optimizer with momentum
+                codec.check_optimizer(self._optimizer.name, self._optimizer.params)
+            self._codec = codec
 
     def set_optimizer(self, name: str, **hyperparameters: Any) -> None:
         """Run an optimizer on the servers; pulls then return updated weights.
@@ -501,10 +552,16 @@ class KVStore:
 
         Raises:
             OptimizerError: unknown optimizer or bad hyperparameters (before anything is sent),
-                or workers that disagree.
+                an optimizer the compression cannot work with (DGC and momentum), or workers
+                that disagree.
         """
         self._check_open()
         spec = make_optimizer_spec(name, hyperparameters)
+        for codec in {self._codec, *(state.codec for state in self._keys.values())}:
+            try:  # e.g. momentum on the servers for DGC, which applies it on the workers
+                codec.check_optimizer(spec.name, spec.params)
+            except CodecError as exc:
+                raise OptimizerError(str(exc)) from exc
         requests = [
             self._transport.submit(
                 s,
@@ -643,22 +700,34 @@ class KVStore:
             )
         return info
 
-    def _encoder(self, state: _KeyState, chunk: Chunk, source: Any) -> Encoder:
+    def _key_encoder(self, state: _KeyState, source: Any) -> KeyEncoder:
+        """The key's encoder for values on ``source``'s device (made on first use, with the
+        state a checkpoint load left waiting for it)."""
         device = vals.gpu_device_of(source)
-        encoder = state.encoders[chunk.index]
-        if encoder is None or state.encoder_device != device:
-            if encoder is not None:
+        key_encoder = state.key_encoder
+        if key_encoder is None or state.encoder_device != device:
+            if key_encoder is not None:
                 # The residuals live where the values live; moving devices starts them over.
                 logger.warning("%s moved between host and GPU; residuals reset", state.describe())
-                state.encoders = [None] * len(state.chunks)
                 state.restored = None
             state.encoder_device = device
-            encoder = state.codec.make_encoder(chunk.numel, state.dtype, device)
-            if state.restored is not None and state.restored[chunk.index] is not None:
-                encoder.load_state(state.restored[chunk.index])  # from load_checkpoint
-                state.restored[chunk.index] = None
-            state.encoders[chunk.index] = encoder
-        return encoder
+            key_encoder = state.codec.make_key_encoder(
+                state.key,
+                state.numel,
+                state.dtype,
+                [(chunk.start, chunk.stop) for chunk in state.chunks],
+                device,
+            )
+            for encoder in key_encoder.chunks:  # named in the encoders' warnings
+                encoder.label = state.describe()
+            if state.restored is not None:  # from load_checkpoint
+                for encoder, saved in zip(key_encoder.chunks, state.restored, strict=True):
+                    if saved is not None:
+                        encoder.load_state(saved)
+                state.restored = None
+            state.key_encoder = key_encoder
+            state.encoders = list(key_encoder.chunks)
+        return key_encoder
 
     def _wait_push(self, state: _KeyState, index: int, deadline: Deadline | None = None) -> None:
         """Wait for the last push of ``state``'s chunk ``index`` (within the call's
@@ -695,13 +764,24 @@ class KVStore:
         if metrics is not None and metrics.measure(state.pushes_sent[0]):
             measured = []
         with vals.device_stream(value):
+            key_encoder = self._key_encoder(state, source)
+            if key_encoder.whole_key:  # begin() rewrites every chunk's payload buffers
+                for chunk in state.send_order:
+                    self._wait_push(state, chunk.index, deadline)
+            # (values that reach an encoder were checked for NaN and infinities, unless the
+            # job allows them)
+            clock = _EncodeClock(self._stats)
+            key_encoder.begin(source, finite=not self._options.allow_nonfinite)
+            clock.lap()
             for chunk in state.send_order:
                 self._wait_push(state, chunk.index, deadline)
-                encoder = self._encoder(state, chunk, source)
+                encoder = key_encoder.chunks[chunk.index]
                 values = source[chunk.start : chunk.stop]
                 payloads = encoder.borrow(values) if borrow else None
+                clock.start()
                 if payloads is None:
                     payloads = encoder.encode(values)
+                clock.lap()
                 if measured is not None:
                     measured.append(encoder.quality(values))
                 fields = {"k": state.key, "c": chunk.index, "n": chunk.numel}
@@ -894,7 +974,10 @@ class KVStore:
         for landing, requests in pending:
             state = landing.state
             if landing.on_io_thread:
-                if not landing.all_arrived.wait(deadline.remaining()):
+                waited = time.perf_counter()
+                arrived = landing.all_arrived.wait(deadline.remaining())
+                self._stats.wire_seconds += time.perf_counter() - waited
+                if not arrived:
                     waiting = next(r for r in requests if not r.done())
                     first_error = first_error or KVStoreTimeoutError(
                         f"{waiting.what} to server {waiting.server} got no reply within "
@@ -906,7 +989,16 @@ class KVStore:
             else:
                 for chunk, request in zip(state.chunks, requests, strict=True):
                     try:
-                        landing.write(chunk, request.wait(deadline))
+                        waited = time.perf_counter()
+                        reply = request.wait(deadline)
+                        copies = xp.TRANSFERS.h2d_seconds
+                        landed = time.perf_counter()
+                        self._stats.wire_seconds += landed - waited
+                        landing.write(chunk, reply)
+                        # a relayed reply is also decoded here: that is encode time
+                        h2d = xp.TRANSFERS.h2d_seconds - copies
+                        self._stats.h2d_seconds += h2d
+                        self._stats.encode_seconds += time.perf_counter() - landed - h2d
                         request.release_payloads()
                     except KVStoreError as exc:
                         first_error = first_error or exc
@@ -1070,6 +1162,7 @@ class KVStore:
                 raise
             self._checkpoint_call(Op.LOAD, {**fields, "ph": 1}, None, f"load {target}")
             for key, state in self._keys.items():
+                state.key_encoder = None
                 state.encoders = [None] * len(state.chunks)
                 state.restored = plan[key]
                 self._forget_unpulled_values(state)  # values of a push from before the load
@@ -1122,11 +1215,9 @@ class KVStore:
     # introspection -------------------------------------------------------------------------
 
     def stats(self) -> TrafficStats:
-        """A snapshot of the bytes this worker pushed and pulled so far."""
-        s = self._stats
-        return TrafficStats(
-            s.pushed_bytes, s.pushed_raw_bytes, s.pulled_bytes, s.push_messages, s.pull_messages
-        )
+        """A snapshot of the bytes this worker pushed and pulled so far, and of the time its
+        calls spent encoding, copying to and from the GPU and waiting for replies."""
+        return dataclasses.replace(self._stats)
 
     @property
     def metrics_port(self) -> int | None:

@@ -1,0 +1,571 @@
+"""CuPy (CUDA) code of the sparse codec family: same indices, values and state, bit for bit, as
+the numpy references and the numba kernels (:mod:`kvstore.codecs.sparse` strings them together).
+
+One push of a key, on the device:
+
+* the gradient goes into the state and every element's selection flag is set in one pass
+  (``sparse_flag``): a block handles a tile of :data:`TILE` elements, each warp's ballot is
+  one 32-bit word of a bitmask (bit ``i % 32`` of word ``i // 32``), and the block counts its
+  tile's flags; with a sampled threshold, the sample is read first (``sparse_sample``: the same
+  float32 operations the pass will do, without writing), so the threshold is known before the
+  pass;
+* the tiles' counts are scanned (``cupy.cumsum``, integers) and a second kernel writes the
+  selected indices in ascending order from the bitmasks alone (``sparse_write``);
+* exact top-k finds the k-th largest magnitude by a three-level radix select over the
+  magnitudes' bits (integer histograms, so the counts are exact whatever the order of the
+  atomics), then flags ``key > T`` and ``key == T`` and keeps the first ``quota`` of the latter;
+* random-k evaluates the keyed permutation per index and sorts the ``k`` results;
+* values are gathered and their state zeroed (``sparse_take``), and both copied to pinned
+  host buffers.
+
+Float arithmetic must round exactly like numpy's. NVRTC would contract DGC's ``m*u + g`` into a
+fused multiply-add (one rounding instead of two), and CuPy compiles every kernel with
+``-ftz=true``, which flushes subnormal inputs and results of float32 operations to zero. So the
+kernels are compiled with ``--fmad=false`` and do every float32 add and multiply in explicit
+PTX (``add.rn.f32``, ``mul.rn.f32``: no ``.ftz``, never fused); magnitudes are compared by
+their bits, never through ``fabsf`` or float comparisons.
+
+Imported only when a CuPy array is encoded; importing it needs CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import cupy
+import numpy as np
+
+from kvstore.codecs.dgc import NORM_BLOCK, clip_scale
+from kvstore.codecs.sparse import RANDOM, THRESHOLD, Accumulation, Selection, accepted_count
+
+TILE_THREADS = 256
+TILE_ITEMS = 8
+TILE = TILE_THREADS * TILE_ITEMS
+"""Elements per tile (one block of :func:`_flag_pass`); a multiple of 32."""
+
+_WORDS_PER_TILE = TILE // 32
+_NO_KEY = 0xFFFFFFFF  # no magnitude's key (at most 0x7fffffff) equals it
+_LEVELS = ((20, 11), (9, 11), (0, 9))  # radix select: (shift, bits) per level
+
+_SOURCE = r"""
+#define TILE_THREADS 256
+#define TILE_ITEMS 8
+#define TILE (TILE_THREADS * TILE_ITEMS)
+#define WARPS (TILE_THREADS / 32)
+#define WORDS_PER_TILE (TILE / 32)
+
+extern "C" {
+
+/* IEEE float32 add and multiply, rounded to nearest, with subnormals: CuPy compiles every
+   kernel with -ftz=true, under which plain C operators flush subnormal inputs and results to
+   zero (numpy and numba do not), and explicit PTX also rules out fused multiply-adds. */
+__device__ __forceinline__ float ieee_add(float a, float b) {
+    float d;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+__device__ __forceinline__ float ieee_mul(float a, float b) {
+    float d;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+__device__ __forceinline__ double ieee_widen(float a) {
+    double d;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(a));
+    return d;
+}
+
+/* |x| by its bits (fabsf would flush a subnormal under -ftz=true). */
+__device__ __forceinline__ unsigned int magnitude_key(float x) {
+    return __float_as_uint(x) & 0x7fffffffu;
+}
+
+/* The state update of element i; returns the value selection reads (r, or DGC's v).
+   kind 0: a = r, r += g.  kind 1: a = u, b = v, DGC's momentum correction. */
+__device__ __forceinline__ float sparse_update(const int kind, float* a, float* b,
+                                               const float* g, const long long i,
+                                               const float m, const float s, const int nesterov) {
+    if (kind == 0) {
+        float x = ieee_add(a[i], g[i]);
+        a[i] = x;
+        return x;
+    }
+    float gi = ieee_mul(g[i], s);
+    float u, x;
+    if (nesterov) {
+        u = ieee_mul(m, ieee_add(a[i], gi));
+        x = ieee_add(ieee_add(b[i], u), gi);
+    } else {
+        u = ieee_add(ieee_mul(m, a[i]), gi);
+        x = ieee_add(b[i], u);
+    }
+    a[i] = u;
+    b[i] = x;
+    return x;
+}
+
+__device__ __forceinline__ float sparse_peek(const int kind, const float* a, const float* b,
+                                             const float* g, const long long i,
+                                             const float m, const float s, const int nesterov) {
+    if (kind == 0) {
+        return ieee_add(a[i], g[i]);
+    }
+    float gi = ieee_mul(g[i], s);
+    if (nesterov) {
+        float u = ieee_mul(m, ieee_add(a[i], gi));
+        return ieee_add(ieee_add(b[i], u), gi);
+    }
+    float u = ieee_add(ieee_mul(m, a[i]), gi);
+    return ieee_add(b[i], u);
+}
+
+__global__ void sparse_sample(const int kind, const float* a, const float* b, const float* g,
+                              const float m, const float s, const int nesterov,
+                              const long long start, const long long stride,
+                              const long long count, float* out) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= count) return;
+    out[j] = __uint_as_float(magnitude_key(sparse_peek(kind, a, b, g, start + j * stride, m, s,
+                                                       nesterov)));
+}
+
+__global__ void sparse_update_all(const int kind, float* a, float* b, const float* g,
+                                  const float m, const float s, const int nesterov,
+                                  const long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    sparse_update(kind, a, b, g, i, m, s, nesterov);
+}
+
+/* One tile per block: optionally update, then flag key >= lo ("above") and key == eq
+   ("equal") into two bitmasks (bit i % 32 of word i / 32) and count both per tile. */
+__global__ void sparse_flag(const int kind, float* a, float* b, const float* g,
+                            const float m, const float s, const int nesterov,
+                            const int update, const float* x, const long long n,
+                            const unsigned int lo, const unsigned int eq,
+                            unsigned int* above_mask, unsigned int* equal_mask,
+                            long long* above_counts, long long* equal_counts) {
+    __shared__ int warp_above[WARPS];
+    __shared__ int warp_equal[WARPS];
+    const long long tile = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    int mine_above = 0;
+    int mine_equal = 0;
+    for (int j = 0; j < TILE_ITEMS; ++j) {
+        const long long i = tile * TILE + (long long)j * TILE_THREADS + threadIdx.x;
+        bool above = false;
+        bool equal = false;
+        if (i < n) {
+            float v = update ? sparse_update(kind, a, b, g, i, m, s, nesterov) : x[i];
+            unsigned int key = magnitude_key(v);
+            above = key >= lo;
+            equal = key == eq;
+        }
+        unsigned int word_above = __ballot_sync(0xffffffffu, above);
+        unsigned int word_equal = __ballot_sync(0xffffffffu, equal);
+        if (lane == 0) {
+            const long long word = (tile * TILE + (long long)j * TILE_THREADS) / 32 + warp;
+            above_mask[word] = word_above;
+            equal_mask[word] = word_equal;
+            mine_above += __popc(word_above);
+            mine_equal += __popc(word_equal);
+        }
+    }
+    if (lane == 0) {
+        warp_above[warp] = mine_above;
+        warp_equal[warp] = mine_equal;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        long long total_above = 0;
+        long long total_equal = 0;
+        for (int w = 0; w < WARPS; ++w) {
+            total_above += warp_above[w];
+            total_equal += warp_equal[w];
+        }
+        above_counts[tile] = total_above;
+        equal_counts[tile] = total_equal;
+    }
+}
+
+/* One tile per block of WORDS_PER_TILE threads, one mask word each: write the index of every
+   "above" element and of the first `quota` "equal" ones, at its rank among the selected. */
+__global__ void sparse_write(const unsigned int* above_mask, const unsigned int* equal_mask,
+                             const long long* above_before_tile,
+                             const long long* equal_before_tile,
+                             const long long quota, long long* out) {
+    __shared__ int above_in_word[WORDS_PER_TILE];
+    __shared__ int equal_in_word[WORDS_PER_TILE];
+    const long long tile = blockIdx.x;
+    const int w = threadIdx.x;
+    const long long word = tile * WORDS_PER_TILE + w;
+    const unsigned int word_above = above_mask[word];
+    const unsigned int word_equal = equal_mask[word];
+    above_in_word[w] = __popc(word_above);
+    equal_in_word[w] = __popc(word_equal);
+    __syncthreads();
+    long long above_before = above_before_tile[tile];
+    long long equal_before = equal_before_tile[tile];
+    for (int v = 0; v < w; ++v) {
+        above_before += above_in_word[v];
+        equal_before += equal_in_word[v];
+    }
+    unsigned int rest = word_above | word_equal;
+    while (rest) {
+        const int bit = __ffs(rest) - 1;
+        const unsigned int below = (1u << bit) - 1u;
+        const long long equals = equal_before + __popc(word_equal & below);
+        const long long taken = equals < quota ? equals : quota;
+        if (((word_above >> bit) & 1u) || equals < quota) {
+            out[above_before + __popc(word_above & below) + taken] = word * 32 + bit;
+        }
+        rest &= rest - 1u;
+    }
+}
+
+/* Histogram of one radix level over the keys of x whose bits above `above` equal `prefix`.
+   Magnitudes crowd into few bins, so the lanes of a warp that share a bin add once. */
+__global__ void sparse_histogram(const float* x, const long long n, const unsigned int above,
+                                 const unsigned int prefix, const unsigned int shift,
+                                 const unsigned int mask, unsigned long long* hist) {
+    __shared__ unsigned int counts[2048];
+    for (int b = threadIdx.x; b < 2048; b += blockDim.x) counts[b] = 0u;
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long base = (long long)blockIdx.x * blockDim.x; base < n; base += step) {
+        const long long i = base + threadIdx.x;  /* every lane runs every iteration */
+        unsigned int bin = 0xffffffffu;
+        if (i < n) {
+            unsigned int key = magnitude_key(x[i]);
+            if ((key >> above) == prefix) bin = (key >> shift) & mask;
+        }
+        const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+        if (bin != 0xffffffffu && __ffs(peers) - 1 == lane) {
+            atomicAdd(&counts[bin], (unsigned int)__popc(peers));
+        }
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 2048; b += blockDim.x) {
+        if (counts[b]) atomicAdd(&hist[b], (unsigned long long)counts[b]);
+    }
+}
+
+__global__ void sparse_take(float* x, float* other, const int clear_other,
+                            const long long* idx, const long long count, float* values) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= count) return;
+    long long i = idx[j];
+    values[j] = x[i];
+    x[i] = 0.0f;
+    if (clear_other) other[i] = 0.0f;
+}
+
+__device__ __forceinline__ unsigned int sparse_hash32(unsigned int x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* out[j] = the image of j under the keyed permutation of [0, n) (Feistel, 4 rounds on
+   2 * half bits, cycle walking). */
+__global__ void sparse_permute(const unsigned long long n, const long long k,
+                               const unsigned int half, const unsigned int k0,
+                               const unsigned int k1, const unsigned int k2,
+                               const unsigned int k3, long long* out) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= k) return;
+    const unsigned int keys[4] = {k0, k1, k2, k3};
+    const unsigned long long mask = (1ull << half) - 1ull;
+    unsigned long long y = (unsigned long long)j;
+    do {
+        unsigned long long left = y >> half;
+        unsigned long long right = y & mask;
+        for (int r = 0; r < 4; ++r) {
+            unsigned int mixed = sparse_hash32((unsigned int)(right ^ keys[r]));
+            unsigned long long next = left ^ (mixed & mask);
+            left = right;
+            right = next;
+        }
+        y = (left << half) | right;
+    } while (y >= n);
+    out[j] = (long long)y;
+}
+
+/* Per block of `block` elements, the float64 sum of squares in element order. */
+__global__ void sparse_block_sumsq(const float* g, const long long n, const long long block,
+                                   const long long nblocks, double* out) {
+    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= nblocks) return;
+    long long stop = (b + 1) * block < n ? (b + 1) * block : n;
+    double partial = 0.0;
+    for (long long i = b * block; i < stop; ++i) {
+        double v = ieee_widen(g[i]);
+        partial += v * v;
+    }
+    out[b] = partial;
+}
+
+/* out[idx[j]] += values[j] (indices unique: a relayed push). */
+__global__ void sparse_scatter_add(float* out, const unsigned int* idx, const float* values,
+                                   const long long count) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= count) return;
+    out[idx[j]] = ieee_add(out[idx[j]], values[j]);
+}
+
+}
+"""
+
+_THREADS = 256
+
+
+@functools.cache
+def _module() -> Any:
+    return cupy.RawModule(code=_SOURCE, options=("--std=c++14", "--fmad=false"))
+
+
+def _kernel(name: str) -> Any:
+    return _module().get_function(name)
+
+
+def _blocks(count: int, threads: int = _THREADS) -> int:
+    return max(1, -(-count // threads))
+
+
+@functools.cache
+def _histogram_blocks(device: int) -> int:
+    return 4 * cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+def _update_args(state: dict, names: tuple, grad: Any, acc: Accumulation) -> tuple:
+    """The update arguments every kernel starts with: (kind, a, b, g, m, s, nesterov)."""
+    a = state[names[0]]
+    x = state[names[-1]]
+    dgc = acc.momentum is not None
+    scale = np.float32(1)
+    if dgc and acc.clip_norm is not None:
+        scale = clip_scale(_sum_of_squares(grad), acc.clip_norm)
+    return (
+        cupy.int32(1 if dgc else 0),
+        a,
+        x,
+        grad,
+        cupy.float32(acc.momentum if dgc else 0),
+        cupy.float32(scale),
+        cupy.int32(1 if acc.nesterov else 0),
+    )
+
+
+def _sum_of_squares(grad: Any) -> float:
+    """The float64 sum of squares, exactly as :func:`kvstore.codecs.dgc.sum_of_squares_reference`
+    (blocks summed in order on the device, block sums in order on the host)."""
+    n = int(grad.size)
+    if n == 0:
+        return 0.0
+    nblocks = -(-n // NORM_BLOCK)
+    partials = cupy.empty(nblocks, dtype=cupy.float64)
+    _kernel("sparse_block_sumsq")(
+        (_blocks(nblocks),),
+        (_THREADS,),
+        (grad, cupy.int64(n), cupy.int64(NORM_BLOCK), cupy.int64(nblocks), partials),
+    )
+    return float(np.cumsum(partials.get())[-1])
+
+
+def _pick(hist: np.ndarray, need: int) -> tuple[int, int]:
+    """The bin (from the top) holding the ``need``-th largest entry, and its rank within it."""
+    from_top = np.cumsum(hist[::-1])
+    position = int(np.searchsorted(from_top, need))  # first cumulative count >= need
+    below = int(from_top[position - 1]) if position else 0
+    return hist.size - 1 - position, need - below
+
+
+def _kth_largest(x: Any, k: int) -> tuple[int, int]:
+    """The key of the ``k``-th largest ``abs(x)`` and how many entries of that key the top ``k``
+    hold (as :func:`kvstore.codecs._sparse_numba.kth_largest`)."""
+    n = int(x.size)
+    hist = cupy.zeros(2048, dtype=cupy.uint64)
+    grid = min(_blocks(n), _histogram_blocks(x.device.id))
+    prefix, need = 0, k
+    for shift, bits in _LEVELS:
+        hist.fill(0)
+        _kernel("sparse_histogram")(
+            (grid,),
+            (_THREADS,),
+            (
+                x,
+                cupy.int64(n),
+                cupy.uint32(shift + bits),
+                cupy.uint32(prefix),
+                cupy.uint32(shift),
+                cupy.uint32((1 << bits) - 1),
+                hist,
+            ),
+        )
+        counts = hist.get()[: 1 << bits].astype(np.int64)
+        bin_, need = _pick(counts, need)
+        prefix = (prefix << bits) | bin_
+    return prefix, need
+
+
+def _flag_pass(update: tuple, do_update: bool, x: Any, lo: int, eq: int) -> tuple:
+    """Flag (and optionally update) every element; returns the masks, the tiles' exclusive
+    offsets and the totals of "above" and "equal" elements."""
+    n = int(x.size)
+    tiles = -(-n // TILE)
+    above_mask = cupy.empty(tiles * _WORDS_PER_TILE, dtype=cupy.uint32)
+    equal_mask = cupy.empty(tiles * _WORDS_PER_TILE, dtype=cupy.uint32)
+    above_counts = cupy.empty(tiles, dtype=cupy.int64)
+    equal_counts = cupy.empty(tiles, dtype=cupy.int64)
+    _kernel("sparse_flag")(
+        (tiles,),
+        (TILE_THREADS,),
+        (
+            *update,
+            cupy.int32(1 if do_update else 0),
+            x,
+            cupy.int64(n),
+            cupy.uint32(lo),
+            cupy.uint32(eq),
+            above_mask,
+            equal_mask,
+            above_counts,
+            equal_counts,
+        ),
+    )
+    above_ends = cupy.cumsum(above_counts)
+    equal_ends = cupy.cumsum(equal_counts)
+    totals = cupy.stack([above_ends[-1], equal_ends[-1]]).get()
+    return (
+        above_mask,
+        equal_mask,
+        above_ends - above_counts,
+        equal_ends - equal_counts,
+        int(totals[0]),
+        int(totals[1]),
+    )
+
+
+def _write(flags: tuple, quota: int) -> Any:
+    """The ascending indices of the flagged "above" elements and the first ``quota`` "equal"
+    ones."""
+    above_mask, equal_mask, above_before, equal_before, above, equal = flags
+    count = above + min(quota, equal)
+    out = cupy.empty(count, dtype=cupy.int64)
+    if count:
+        tiles = int(above_before.size)
+        _kernel("sparse_write")(
+            (tiles,),
+            (_WORDS_PER_TILE,),
+            (above_mask, equal_mask, above_before, equal_before, cupy.int64(quota), out),
+        )
+    return out
+
+
+def _exact(update: tuple, x: Any, k: int) -> Any:
+    """Exact top-k of the already updated ``x`` (ties: lower index first)."""
+    key, quota = _kth_largest(x, k)
+    return _write(_flag_pass(update, False, x, key + 1, key), quota)
+
+
+def _take(x: Any, other: Any, clear_other: bool, indices: Any, buffers: Any) -> int:
+    """Gather ``x[indices]``, zero them (and ``other``'s), copy both to the host buffers."""
+    count = int(indices.size)
+    buffers.ensure(count)
+    if count == 0:
+        return 0
+    values = cupy.empty(count, dtype=cupy.float32)
+    _kernel("sparse_take")(
+        (_blocks(count),),
+        (_THREADS,),
+        (x, other, cupy.int32(1 if clear_other else 0), indices, cupy.int64(count), values),
+    )
+    indices.get(out=buffers.indices[:count])
+    values.get(out=buffers.values[:count])
+    return count
+
+
+def scatter_add(out: Any, indices: np.ndarray, values: np.ndarray) -> None:
+    """``out[indices] += values`` on the device (``indices`` unique: one push of a relay), with
+    IEEE float32 additions (CuPy's own would flush subnormals)."""
+    count = int(indices.size)
+    if count == 0:
+        return
+    _kernel("sparse_scatter_add")(
+        (_blocks(count),),
+        (_THREADS,),
+        (out, cupy.asarray(indices), cupy.asarray(values), cupy.int64(count)),
+    )
+
+
+def encode(
+    state: dict,
+    names: tuple[str, ...],
+    grad: Any,
+    selection: Selection,
+    acc: Accumulation,
+    buffers: Any,
+) -> int:
+    """One push of a key on the device: update ``state`` (CuPy arrays) with ``grad``, select,
+    and put the selected (global indices, values) into ``buffers`` (host); returns how many."""
+    n = int(grad.size)
+    if n == 0:
+        return 0
+    update = _update_args(state, names, grad, acc)
+    a, x = update[1], update[2]
+    dgc = acc.momentum is not None
+    if selection.kind == THRESHOLD:
+        lo = int(np.array([selection.threshold], np.float32).view(np.uint32)[0])
+        indices = _write(_flag_pass(update, True, x, lo, _NO_KEY), 0)
+        return _take(x, a, dgc, indices, buffers)
+    if selection.kind == RANDOM:
+        _kernel("sparse_update_all")((_blocks(n),), (_THREADS,), (*update, cupy.int64(n)))
+        k = selection.k
+        chosen = cupy.empty(k, dtype=cupy.int64)
+        _kernel("sparse_permute")(
+            (_blocks(k),),
+            (_THREADS,),
+            (
+                cupy.uint64(n),
+                cupy.int64(k),
+                cupy.uint32(selection.half_bits),
+                *(cupy.uint32(key) for key in selection.round_keys),
+                chosen,
+            ),
+        )
+        return _take(x, a, dgc, cupy.sort(chosen), buffers)
+    k = selection.k
+    plan = selection.sample
+    if plan is None:
+        _kernel("sparse_update_all")((_blocks(n),), (_THREADS,), (*update, cupy.int64(n)))
+        return _take(x, a, dgc, _exact(update, x, k), buffers)
+    samples = cupy.empty(plan.count, dtype=cupy.float32)
+    _kernel("sparse_sample")(
+        (_blocks(plan.count),),
+        (_THREADS,),
+        (
+            *update,
+            cupy.int64(plan.start),
+            cupy.int64(plan.stride),
+            cupy.int64(plan.count),
+            samples,
+        ),
+    )
+    thr_key, _ = _kth_largest(samples, plan.top)
+    flags = _flag_pass(update, True, x, thr_key, _NO_KEY)
+    if accepted_count(flags[4], k):
+        indices = _write(flags, 0)
+    else:  # too many or too few: the exact top-k (the same as among the candidates)
+        indices = _exact(update, x, k)
+    return _take(x, a, dgc, indices, buffers)
+
+
+__all__ = ["encode"]
