@@ -14,6 +14,10 @@ elementwise loop LLVM can vectorize, and memory is streamed once:
 * decode: pass 1 spreads each packed byte ``b`` back into four code bytes with shifts and masks;
   pass 2 turns codes into ``+t``, ``-t`` or ``+0.0`` with selects and adds (or writes) them.
 
+:func:`encode_clipped` is :func:`encode` with the residual clipped to ``[-limit, limit]`` after
+each element's quantization (the codec's ``residual_clip`` option); :func:`count_at_least` is the
+one-pass count behind the encoder's runaway-residual warning.
+
 The last partial block goes through a per-word loop. On the development machine both run at
 their memory-bandwidth floor (see ``benchmarks/bench_codecs.py``). The kernels view uint32 words
 as bytes, so they need a little-endian machine; :func:`kvstore.codecs.twobit.cpu_kernels` checks.
@@ -139,3 +143,89 @@ def decode(words, n, threshold, out, accumulate):
                 code = codes[k]
                 out[start + k] = t if code == 3 else (nt if code == 2 else zero)
     _decode_tail(words, n, t, out, accumulate, full)
+
+
+# residual_clip variant --------------------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _kept_clipped(x, t, nt, limit, nlimit):
+    # The residual kept of x = r + g, clipped to [-limit, limit]. Only a quantized element can
+    # exceed the limit (otherwise |x| < t <= limit), so each branch needs one bound, and a NaN
+    # (neither >= t nor <= -t) is kept as it is, as numpy.clip keeps it; inf - t is inf,
+    # clipped to the limit.
+    if x >= t:
+        y = x - t
+        return limit if y > limit else y
+    if x <= nt:
+        y = x + t
+        return nlimit if y < nlimit else y
+    return x
+
+
+@njit(nogil=True, cache=True)
+def _encode_clipped_tail(grad, residual, t, limit, out, start):
+    """Per-word clipped encode of elements ``[start, n)``; ``start`` is a multiple of 16."""
+    n = grad.shape[0]
+    nt = -t
+    nlimit = -limit
+    for w in range(start // 16, (n + 15) // 16):
+        base = 16 * w
+        acc = np.uint32(0)
+        for k in range(min(16, n - base)):
+            x = residual[base + k] + grad[base + k]
+            pos = x >= t
+            neg = x <= nt
+            residual[base + k] = _kept_clipped(x, t, nt, limit, nlimit)
+            code = np.uint32(3) if pos else (np.uint32(2) if neg else np.uint32(0))
+            acc |= code << _shift(k)
+        out[w] = acc
+
+
+@njit(nogil=True, cache=True)
+def encode_clipped(grad, residual, threshold, limit, out):
+    """:func:`encode`, then each element's residual clipped to ``[-limit, limit]``.
+
+    The codes are :func:`encode`'s; only the residual kept differs. Same blocks as
+    :func:`encode`, the clip being one more compare and select per element in the vectorized
+    loop.
+
+    Args:
+        grad: float32[n], contiguous.
+        residual: float32[n], contiguous; updated in place.
+        threshold: np.float32 > 0.
+        limit: np.float32 >= threshold (``residual_clip * threshold`` in float32).
+        out: uint32[ceil(n/16)]; every word is fully overwritten.
+    """
+    n = grad.shape[0]
+    t = threshold
+    nt = -t
+    nlimit = -limit
+    codes = np.empty(BLOCK, dtype=np.uint8)
+    quads = codes.view(np.uint32)
+    packed = out.view(np.uint8)
+    full = n - n % BLOCK
+    for start in range(0, full, BLOCK):
+        for k in range(BLOCK):
+            i = start + k
+            x = residual[i] + grad[i]
+            pos = x >= t
+            neg = x <= nt
+            residual[i] = _kept_clipped(x, t, nt, limit, nlimit)
+            codes[k] = (np.uint8(3) if pos else np.uint8(0)) | (np.uint8(2) if neg else np.uint8(0))
+        first_byte = start // 4
+        for j in range(BLOCK // 4):
+            packed[first_byte + j] = np.uint8((quads[j] * _PACK) >> np.uint32(24))
+    _encode_clipped_tail(grad, residual, t, limit, out, full)
+
+
+@njit(nogil=True, cache=True)
+def count_at_least(values, bound):
+    """How many elements of float32 ``values`` have ``|v| >= bound`` (NaNs never count).
+
+    An integer sum of compares, which vectorizes without fast-math (a float max would not).
+    """
+    count = 0
+    for i in range(values.shape[0]):
+        count += 1 if abs(values[i]) >= bound else 0
+    return count

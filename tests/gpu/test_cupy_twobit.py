@@ -106,3 +106,23 @@ def test_relayed_sum_on_the_gpu_matches_the_server_sum(workers):
         out = cupy.full(n, cupy.nan, cupy.float32)
         codec.sum_relay(pushes, n, "float32", out)
         assert out.get().tobytes() == aggregator.result.tobytes()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_subnormals_are_kept_like_numpy(clip):
+    """CuPy compiles with flush-to-zero; the kernels' adds must keep subnormals as numpy does."""
+    rng = np.random.default_rng(11)
+    n = 4099
+    tiny = (rng.choice([-1.0, 1.0], n) * rng.uniform(1e-45, 1e-38, n)).astype(np.float32)
+    codec = get_codec("2bit", threshold=0.5, **({} if clip is None else {"residual_clip": clip}))
+    gpu = codec.make_encoder(n, "float32", device=cupy.cuda.Device(0))
+    cpu = codec.make_encoder(n, "float32")
+    for _ in range(2):
+        (frame_gpu,) = gpu.encode(cupy.asarray(tiny))
+        (frame_cpu,) = cpu.encode(tiny)
+        assert bytes(frame_gpu) == bytes(frame_cpu)
+        assert np.array_equal(gpu.residual.get().view(np.uint32), cpu.residual.view(np.uint32))
+    words = cupy.zeros(twobit.packed_words(n), cupy.uint32)
+    acc = cupy.asarray(tiny)
+    twobit.decode(words, n, 0.5, acc, accumulate=True)
+    assert np.array_equal(acc.get().view(np.uint32), (tiny + np.float32(0)).view(np.uint32))
