@@ -11,11 +11,21 @@ must move (its memory floor):
   (8.25 B/element: floor ratio 0.69);
 * the check a push makes for NaN and infinities (``kvstore.codecs.finite``): reads 4
   B/element (floor ratio 0.33), next to the copy a dense push makes (8 B/element).
+* the sparse codecs' encode of a whole key (``begin`` + the chunk's payload, after the
+  client's NaN check): read gradient and residual, write the residual (12 B/element, floor
+  ratio 1.0; DGC's momentum and velocity 20 B/element); ``topk`` sampled (the default) and
+  exact, ``threshold``, ``randomk``, ``dgc``;
+* the server's round of 8 workers' 0.1% ``topk`` pushes into one accumulator (zero it, then
+  scatter-add each; validation included): its floor is the zeroing, 4 B/element (0.33).
 
 It also times the server-side decode/aggregate of one round (the real ``Aggregator`` objects,
 one per partition) on 1, 2, 4... threads, which scales because the kernels release the GIL.
 With ``--gpu`` (CuPy and a device needed) it times the CuPy kernels at 100M elements against a
-device-to-device copy of the same bytes.
+device-to-device copy of the same bytes (bytes read + written), and trains the MNIST example with
+2 workers (each a process on the one GPU) x 2 servers through ``benchmarks/convergence.py``, with
+CUDA tensors and, as the baseline in the same run, on the CPU: MLP and CNN, dense and 2-bit. Each
+training line has the final test accuracy and worker 0's per-step milliseconds of encode (the
+kernels), device-to-host copy, wire (waiting for the servers' replies) and host-to-device copy.
 
     python benchmarks/bench_codecs.py --preset smoke
     python benchmarks/bench_codecs.py --preset full
@@ -24,11 +34,15 @@ device-to-device copy of the same bytes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -92,6 +106,62 @@ def bench_kernels(n: int, repeats: int) -> None:
                 "threads": 1,
             }
         )
+
+
+SPARSE_CASES = {
+    "topk sampled": ({"type": "topk", "ratio": 0.01}, 12.0),
+    "topk exact": ({"type": "topk", "ratio": 0.01, "sample": 0}, 12.0),
+    "threshold": ({"type": "threshold", "threshold": 2.5}, 12.0),
+    "randomk": ({"type": "randomk", "ratio": 0.01}, 12.0),
+    "dgc": ({"type": "dgc", "ratio": 0.001}, 20.0),
+}
+"""Sparse codecs timed on the CPU, with their memory floor in bytes per element. The
+threshold 2.5 sends about 1.2% of standard-normal gradients."""
+
+
+def bench_sparse(n: int, repeats: int) -> None:
+    """The sparse codecs' CPU encode of one ``n``-element key and the server's scatter-add of
+    a round, against ``a += b`` over the same array, interleaved."""
+    from kvstore.codecs import codec_from_spec
+
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    cases: dict[str, Any] = {"a += b (numpy)": lambda: np.add(a, b, out=a)}
+    floors = {"a += b (numpy)": 12.0}
+    for label, (spec, bytes_per_element) in SPARSE_CASES.items():
+        encoder = codec_from_spec(spec).make_key_encoder("bench", n, "float32", [(0, n)])
+        pushes = iter(range(1 << 62))
+
+        def encode(encoder: Any = encoder, pushes: Any = pushes) -> None:
+            encoder.begin(grads[next(pushes) % 2], finite=True)  # the client checked them
+            encoder.chunks[0].encode(None)
+
+        cases[f"{label} encode (numba)"] = encode
+        floors[f"{label} encode (numba)"] = bytes_per_element
+    codec = codec_from_spec({"type": "topk", "ratio": 0.001})
+    aggregator = codec.make_aggregator(n, "float32")
+    payloads = []
+    for _ in range(8):
+        indices = np.sort(rng.choice(n, n // 1000, replace=False)).astype(np.uint32)
+        payloads.append([indices, rng.standard_normal(indices.size).astype(np.float32)])
+
+    def server_round() -> None:
+        for i, payload in enumerate(payloads):
+            aggregator.add(payload, first=i == 0)
+        aggregator.finish()
+
+    cases["server scatter-add round, 8 x 0.1% (numba)"] = server_round
+    floors["server scatter-add round, 8 x 0.1% (numba)"] = 4.0
+    medians = interleaved_medians(cases, repeats)
+    base = medians["a += b (numpy)"]
+    for name, seconds in medians.items():
+        if name == "a += b (numpy)":
+            continue
+        emit({"bench": "codecs", "op": name, "elements": n, "seconds": round(seconds, 6),
+              "ratio_to_add": round(seconds / base, 3),
+              "floor_ratio": round(floors[name] / 12.0, 3), "threads": 1})  # fmt: skip
 
 
 def bench_server_threads(n: int, partitions: int, thread_counts: list[int], repeats: int) -> None:
@@ -165,9 +235,11 @@ def bench_gpu(repeats: int) -> None:
             lambda: twobit.decode(words, n, 0.5, out, accumulate=True),
             8.25,
         ),
+        "nonfinite check (cupy)": (lambda: count_nonfinite(grad), 4.0),
     }
     emit({"bench": "codecs", "op": "device copy (cupy)", "elements": n, "seconds": copy_s,
-          "gbytes_per_s": round(copy_bw / 1e9, 1)})  # fmt: skip
+          "gbytes_per_s": round(copy_bw / 1e9, 1),
+          "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()})  # fmt: skip
     for name, (fn, bytes_per_element) in cases.items():
         seconds = timed(fn)
         bw = bytes_per_element * n / seconds
@@ -181,6 +253,106 @@ def bench_gpu(repeats: int) -> None:
                 "fraction_of_copy_bandwidth": round(bw / copy_bw, 3),
             }
         )
+    bench_gpu_encoders(n, repeats, copy_bw)
+
+
+GPU_CODECS = {
+    "2bit:residual_clip=1": ({"type": "2bit", "threshold": 0.5, "residual_clip": 1}, 12.0),
+    "threshold": ({"type": "threshold", "threshold": 2.5}, 12.0),
+    "topk (sampled)": ({"type": "topk", "ratio": 0.01}, 12.0),
+    "topk (exact)": ({"type": "topk", "ratio": 0.01, "sample": 0}, 12.0),
+    "randomk": ({"type": "randomk", "ratio": 0.01}, 12.0),
+    "dgc": ({"type": "dgc", "ratio": 0.001}, 20.0),
+}
+"""Codecs timed through their GPU encoders (key encoder, one chunk) with their memory floor in
+bytes per element: read gradient and state, write state (DGC: two state arrays)."""
+
+
+def bench_gpu_encoders(n: int, repeats: int, copy_bw: float) -> None:
+    """Each codec's whole GPU encode of an ``n``-element key (the selection and compaction
+    kernels included, the copy of the payload to the host excluded), against ``copy_bw``."""
+    import cupy
+
+    from kvstore.codecs import codec_from_spec, xp
+
+    grad = cupy.random.default_rng(0).standard_normal(n, dtype=cupy.float32)
+    for label, (spec, bytes_per_element) in GPU_CODECS.items():
+        try:
+            codec = codec_from_spec(spec)
+            encoder = codec.make_key_encoder("bench", n, "float32", [(0, n)], cupy.cuda.Device())
+
+            def encode(encoder: Any = encoder) -> None:
+                encoder.begin(grad, finite=True)  # as the client calls it, after its check
+                encoder.chunks[0].encode(grad)
+
+            encode()
+            times = []
+            for _ in range(repeats):
+                cupy.cuda.Device().synchronize()
+                copies = xp.TRANSFERS.d2h_seconds
+                start = time.perf_counter()
+                encode()
+                cupy.cuda.Device().synchronize()
+                times.append(time.perf_counter() - start - (xp.TRANSFERS.d2h_seconds - copies))
+            seconds = float(np.median(times))
+            bw = bytes_per_element * n / seconds
+            emit({"bench": "codecs", "op": f"{label} encode (cupy)", "elements": n,
+                  "seconds": round(seconds, 6), "gbytes_per_s": round(bw / 1e9, 1),
+                  "fraction_of_copy_bandwidth": round(bw / copy_bw, 3)})  # fmt: skip
+        except Exception as exc:  # report and go on with the other codecs
+            emit({"bench": "codecs", "op": f"{label} encode (cupy)", "error": repr(exc)[:500]})
+
+
+GPU_TRAINING = {
+    "smoke": {"mlp": 2},
+    "full": {"mlp": 8, "cnn": 1},
+}
+"""Epochs of each model in ``--gpu`` training runs, per preset."""
+
+STEP_TIMES = ("encode", "d2h", "wire", "h2d")
+
+
+def bench_gpu_training(preset: str) -> None:
+    """The MNIST example, 2 workers x 2 servers, on the GPU and on the CPU: accuracy and
+    per-step times (worker 0's ``kv.stats()`` timers)."""
+    convergence = Path(__file__).resolve().parent / "convergence.py"
+    for model, epochs in GPU_TRAINING[preset].items():
+        for device in ("cpu", "cuda"):
+            command = [
+                sys.executable, str(convergence), "-n", "2", "-s", "2", "--model", model,
+                "--epochs", str(epochs), "--device", device, "--optimizer", "server",
+                "--lr", "0.2", "--momentum", "0.5", "--runs", "none", "2bit",
+            ]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+            lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+            if done.returncode != 0:
+                emit({"bench": "codecs", "op": "mnist training", "model": model,
+                      "device": device, "error": done.stderr[-2000:]})  # fmt: skip
+            for run in ("none", "2bit"):
+                epochs_of_run = [x for x in lines if x.get("run") == run and "epoch" in x]
+                if not epochs_of_run:
+                    continue
+                last = epochs_of_run[-1]
+                record = {
+                    "bench": "codecs",
+                    "op": "mnist training",
+                    "model": model,
+                    "device": device,
+                    "compression": run,
+                    "workers": 2,
+                    "servers": 2,
+                    "epochs": len(epochs_of_run),
+                    "test_accuracy": last["accuracy"],
+                    "seconds_per_epoch": round(
+                        statistics.fmean(x["seconds"] for x in epochs_of_run), 2
+                    ),
+                }
+                for name in STEP_TIMES:
+                    values = [x[f"{name}_ms_per_step"] for x in epochs_of_run
+                              if f"{name}_ms_per_step" in x]  # fmt: skip
+                    if values:
+                        record[f"{name}_ms_per_step"] = round(statistics.fmean(values), 3)
+                emit(record)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,9 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or preset["repeats"]
     started = time.time()
     bench_kernels(n, repeats)
+    bench_sparse(n, repeats)
     bench_server_threads(n, preset["partitions"], preset["threads"], repeats)
     if args.gpu:
         bench_gpu(repeats)
+        bench_gpu_training(args.preset)
     emit({"bench": "codecs", "preset": args.preset, "machine": machine(),
           "wall_seconds": round(time.time() - started, 1)})  # fmt: skip
     return 0
