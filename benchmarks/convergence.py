@@ -14,10 +14,11 @@ By default each run's optimizer is the workers' own SGD with momentum 0.9 after 
 (``--optimizer local``); ``dgc`` carries momentum inside the codec, so the example runs its SGD
 without momentum then (it says so on its output).
 
-Presets: ``smoke`` (2 workers, 1 server, MLP, 1 epoch, ``none`` and ``2bit``: seconds) and
-``full`` (the k% table, ``--sweep ktable``: CNN, 2 workers, 10 epochs; dense, ``topk`` at
-densities 100% to 0.1%, ``dgc`` at 1% and 0.1% with one epoch of warm-up, and ``2bit``; 3 seeds
-for the dense and the 0.1% rows). Options given on the command line override the preset's::
+Presets: ``smoke`` (2 workers, 1 server, MLP, 1 epoch of 15 steps, ``none`` and ``2bit``:
+seconds) and ``full`` (the k% table, ``--sweep ktable``: CNN, 2 workers, 10 epochs; dense,
+``topk`` at densities 100% to 0.1%, ``dgc`` at 1% and 0.1% with one epoch of warm-up, ``2bit``
+and ``2bit`` with ``residual_clip: 1``; 3 seeds for the dense and the 0.1% rows). Options
+given on the command line override the preset's::
 
     python benchmarks/convergence.py --preset smoke --table conv.md --plot conv.png
     python benchmarks/convergence.py --preset full --table ktable.md --plot ktable.png
@@ -46,7 +47,7 @@ sys.path.insert(1, str(TRAIN.parent))
 
 from codec_spec import format_codec_spec, parse_codec_spec  # noqa: E402
 from common import emit, machine  # noqa: E402
-from data import train_images_per_worker  # noqa: E402
+from mnist_data import train_images_per_worker  # noqa: E402
 
 from kvstore.codecs import codec_from_spec  # noqa: E402
 from kvstore.errors import CodecError  # noqa: E402
@@ -63,7 +64,14 @@ KTABLE_MANY_SEEDS = (0, 1, 2)
 """Seeds of the rows where noise matters most: the dense reference and the 0.1% rows."""
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "smoke": {"workers": 2, "servers": 1, "model": "mlp", "epochs": 1, "runs": ["none", "2bit"]},
+    "smoke": {
+        "workers": 2,
+        "servers": 1,
+        "model": "mlp",
+        "epochs": 1,
+        "batch_size": 128,
+        "runs": ["none", "2bit"],
+    },
     "full": {"workers": 2, "servers": 1, "model": "cnn", "epochs": 10, "sweep": "ktable"},
 }
 
@@ -125,7 +133,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--table", type=Path, metavar="PATH", help="write a markdown table")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument(
+        "--from",
+        dest="sources",
+        nargs="+",
+        type=Path,
+        metavar="JSONL",
+        help="train nothing: rebuild --table and --plot from earlier runs' printed JSON lines "
+        "(a run in a later file replaces the same run in an earlier one)",
+    )
     args = parser.parse_args()
+    if args.sources is not None:
+        missing = [str(path) for path in args.sources if not path.is_file()]
+        if missing:
+            parser.error(f"--from: no file {', '.join(missing)}")
+        return args
 
     preset = PRESETS.get(args.preset, {})
     for name, default in DEFAULTS.items():
@@ -281,12 +303,13 @@ def write_plot(path: Path, summaries: list[dict[str, Any]], title: str) -> None:
     from matplotlib.ticker import MaxNLocator, NullFormatter
 
     figure, (by_epoch, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
-    for s in summaries:
-        if "curve_accuracy" not in s:
-            continue
+    colors = plt.get_cmap("tab20").colors  # more runs than the default 10 colours
+    markers = "osD^v<>"
+    for i, s in enumerate(x for x in summaries if "curve_accuracy" in x):
+        style = {"color": colors[i % len(colors)], "marker": markers[i % len(markers)]}
         epochs = range(1, len(s["curve_accuracy"]) + 1)
-        by_epoch.plot(epochs, s["curve_accuracy"], "o-", label=s["run"])
-        by_bytes.plot(s["curve_pushed_mb"], s["curve_accuracy"], "o-", label=s["run"])
+        by_epoch.plot(epochs, s["curve_accuracy"], "-", label=s["run"], **style)
+        by_bytes.plot(s["curve_pushed_mb"], s["curve_accuracy"], "-", label=s["run"], **style)
     by_epoch.set_xlabel("epoch")
     by_bytes.set_xlabel("MB pushed by worker 0")
     by_epoch.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -301,8 +324,44 @@ def write_plot(path: Path, summaries: list[dict[str, Any]], title: str) -> None:
     plt.close(figure)
 
 
+def rebuild(sources: list[Path]) -> tuple[list[dict[str, Any]], str]:
+    """The runs' summaries and the plot title from earlier runs' JSON lines (``--from``)."""
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    walls: dict[str, float] = {}
+    config: dict[str, Any] = {}
+    for path in sources:
+        seen: dict[str, dict[int, list[dict[str, Any]]]] = {}
+        for line in path.read_text().splitlines():
+            record = json.loads(line) if line.startswith("{") else {}
+            if "epoch" in record and "run" in record:
+                seen.setdefault(record["run"], {}).setdefault(record["seed"], []).append(record)
+                config = config or record
+            elif "seeds_done" in record and "wall_seconds" in record:
+                walls[record["run"]] = record["wall_seconds"]
+        runs.update(seen)  # a later file's run replaces an earlier one's
+    summaries = [
+        summarize(label, [{"epochs": e, "wall": walls.get(label, 0.0)} for e in seeds.values()])
+        for label, seeds in runs.items()
+    ]
+    epochs = max((len(e) for seeds in runs.values() for e in seeds.values()), default=0)
+    title = (
+        f"MNIST {config.get('model')}, {config.get('workers')} worker(s) x "
+        f"{config.get('servers')} server(s), {config.get('optimizer')} SGD (lr "
+        f"{config.get('lr')}, momentum {config.get('momentum')}), batch "
+        f"{config.get('batch_size')} per worker, {epochs} epoch(s), {config.get('device')}"
+    )
+    return summaries, title
+
+
 def main() -> None:
     args = parse_args()
+    if args.sources is not None:
+        summaries, title = rebuild(args.sources)
+        if args.table is not None:
+            write_table(args.table, summaries, f"{title}.")
+        if args.plot is not None:
+            write_plot(args.plot, summaries, title)
+        return
     title = (
         f"MNIST {args.model}, {args.workers} worker(s) x {args.servers} server(s), "
         f"{args.optimizer} SGD (lr {args.lr:g}, momentum {args.momentum:g}), "

@@ -42,9 +42,9 @@ from kvstore.errors import CodecError
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # when imported from elsewhere too
 
 from codec_spec import format_codec_spec, parse_codec_spec, spec_params  # noqa: E402
-from data import load_data, train_images_per_worker  # noqa: E402
-from models import MODELS, make_model  # noqa: E402
-from report import epoch_record, plot  # noqa: E402
+from mnist_data import load_data, train_images_per_worker  # noqa: E402
+from mnist_models import MODELS, make_model  # noqa: E402
+from mnist_report import epoch_record, plot  # noqa: E402
 
 DEFAULT_THRESHOLD = 0.02
 """2-bit threshold t when neither ``--threshold`` nor the spec gives one: near the scale of

@@ -51,3 +51,12 @@ def test_convergence_smoke_preset_reports_every_run(tmp_path):
 
     data = plot.read_bytes()
     assert data[:8] == PNG_SIGNATURE and data.endswith(b"IEND\xaeB`\x82")
+
+    # --from rebuilds the same table from the printed lines, without training
+    printed = tmp_path / "printed.jsonl"
+    printed.write_text(result.stdout)
+    rebuilt = tmp_path / "rebuilt.md"
+    subprocess.run(
+        [*command[:2], "--from", str(printed), "--table", str(rebuilt)], check=True, timeout=60
+    )
+    assert rebuilt.read_text() == table.read_text()

@@ -45,29 +45,23 @@ def _train(*args: str) -> tuple[list[tuple[str, ...]], list[tuple[str, str]], st
     return epochs, done, result.stdout + result.stderr
 
 
-def test_mnist_example_trains_uncompressed_from_borrowed_gradients():
-    # The example pushes with borrow=True: uncompressed gradients are sent from the tensors
-    # themselves, and the job must still train, both workers ending with the same weights.
-    epochs, done, stdout = _train("--epochs", "2", "--compression", "none")
-    assert [int(e[0]) for e in epochs] == [1, 2], stdout
-    assert float(epochs[-1][1]) < float(epochs[0][1])
-    assert float(epochs[-1][2]) > 85.0  # test accuracy after 2 epochs
-    assert all(0.95 < float(e[3]) < 1.05 for e in epochs)  # dense: no compression
-    assert sorted(r for r, _ in done) == ["0", "1"]
-    assert len({acc for _, acc in done}) == 1
-
-
 # A tqdm bar: "epoch 1:  53%|█████▎    | 8/15 [00:00<00:00, 77.90step/s, loss=2.3061]".
 _BAR = re.compile(r"\d+/\d+ \[[^\]]*step/s")
 
 
-def test_mnist_example_plots_and_keeps_piped_output_free_of_progress_bars(tmp_path):
-    # The 2-bit job (the default); README's quickstart test trains it for 8 epochs.
+def test_mnist_example_trains_uncompressed_plots_and_keeps_piped_output_free_of_bars(tmp_path):
+    # Uncompressed: the example pushes with borrow=True, so the gradients are sent from the
+    # tensors themselves, and the job must still train, both workers ending with the same
+    # weights. (README's quickstart test trains the 2-bit default for 8 epochs, and the
+    # convergence smoke test trains both for one.)
     plot = tmp_path / "mnist.png"
-    epochs, done, output = _train("--epochs", "2", "--batch-size", "128", "--plot", str(plot))
+    epochs, done, output = _train(
+        "--epochs", "2", "--batch-size", "128", "--compression", "none", "--plot", str(plot)
+    )
     assert [int(e[0]) for e in epochs] == [1, 2], output
     assert float(epochs[-1][1]) < float(epochs[0][1])  # the loss falls
-    assert all(float(e[3]) > 15.0 for e in epochs)  # 2-bit: 2 bits per float32 (+ headers)
+    assert float(epochs[-1][2]) > 50.0  # test accuracy after 30 steps, chance is 10%
+    assert all(0.95 < float(e[3]) < 1.05 for e in epochs)  # dense: no compression
     assert sorted(r for r, _ in done) == ["0", "1"]
     assert len({acc for _, acc in done}) == 1  # both workers hold the same weights
     # worker 0 plots, after training, and worker 1 does not
