@@ -36,6 +36,7 @@ from typing import Any
 import cupy
 import numpy as np
 
+from kvstore.codecs._cuda_ieee import IEEE_OPS
 from kvstore.codecs.dgc import NORM_BLOCK, clip_scale
 from kvstore.codecs.sparse import RANDOM, THRESHOLD, Accumulation, Selection, accepted_count
 
@@ -48,7 +49,9 @@ _WORDS_PER_TILE = TILE // 32
 _NO_KEY = 0xFFFFFFFF  # no magnitude's key (at most 0x7fffffff) equals it
 _LEVELS = ((20, 11), (9, 11), (0, 9))  # radix select: (shift, bits) per level
 
-_SOURCE = r"""
+_SOURCE = (
+    IEEE_OPS
+    + r"""
 #define TILE_THREADS 256
 #define TILE_ITEMS 8
 #define TILE (TILE_THREADS * TILE_ITEMS)
@@ -56,32 +59,6 @@ _SOURCE = r"""
 #define WORDS_PER_TILE (TILE / 32)
 
 extern "C" {
-
-/* IEEE float32 add and multiply, rounded to nearest, with subnormals: CuPy compiles every
-   kernel with -ftz=true, under which plain C operators flush subnormal inputs and results to
-   zero (numpy and numba do not), and explicit PTX also rules out fused multiply-adds. */
-__device__ __forceinline__ float ieee_add(float a, float b) {
-    float d;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-    return d;
-}
-
-__device__ __forceinline__ float ieee_mul(float a, float b) {
-    float d;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-    return d;
-}
-
-__device__ __forceinline__ double ieee_widen(float a) {
-    double d;
-    asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(a));
-    return d;
-}
-
-/* |x| by its bits (fabsf would flush a subnormal under -ftz=true). */
-__device__ __forceinline__ unsigned int magnitude_key(float x) {
-    return __float_as_uint(x) & 0x7fffffffu;
-}
 
 /* The state update of element i; returns the value selection reads (r, or DGC's v).
    kind 0: a = r, r += g.  kind 1: a = u, b = v, DGC's momentum correction. */
@@ -323,6 +300,7 @@ __global__ void sparse_scatter_add(float* out, const unsigned int* idx, const fl
 
 }
 """
+)
 
 _THREADS = 256
 

@@ -21,23 +21,12 @@ from typing import Any
 
 import cupy
 
-_SOURCE = r"""
+from kvstore.codecs._cuda_ieee import IEEE_OPS
+
+_SOURCE = (
+    IEEE_OPS
+    + r"""
 extern "C" {
-
-/* float32 add and subtract rounded to nearest, subnormals kept: CuPy compiles with
-   -ftz=true, under which the C operators would flush subnormal inputs and results to zero,
-   unlike numpy. */
-__device__ __forceinline__ float fadd(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float fsub(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
 
 
 __device__ __forceinline__ unsigned int twobit_shift(unsigned int k) {
@@ -50,13 +39,13 @@ __global__ void twobit_encode(const float* __restrict__ grad, float* __restrict_
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     unsigned int code = 0u;
     if (i < n) {
-        float x = fadd(residual[i], grad[i]);
+        float x = ieee_add(residual[i], grad[i]);
         if (x >= t) {
             code = 3u;
-            x = fsub(x, t);
+            x = ieee_sub(x, t);
         } else if (x <= -t) {
             code = 2u;
-            x = fadd(x, t);
+            x = ieee_add(x, t);
         }
         residual[i] = x;
     }
@@ -74,11 +63,11 @@ __global__ void twobit_encode(const float* __restrict__ grad, float* __restrict_
 
 __device__ __forceinline__ unsigned int twobit_quantize(float* x, const float t) {
     if (*x >= t) {
-        *x = fsub(*x, t);
+        *x = ieee_sub(*x, t);
         return 3u;
     }
     if (*x <= -t) {
-        *x = fadd(*x, t);
+        *x = ieee_add(*x, t);
         return 2u;
     }
     return 0u;
@@ -98,17 +87,17 @@ __global__ void twobit_encode4(const float* __restrict__ grad, float* __restrict
     if (i + 4 <= n) {
         float4 g = reinterpret_cast<const float4*>(grad)[j];
         float4 r = reinterpret_cast<float4*>(residual)[j];
-        r.x = fadd(r.x, g.x);
-        r.y = fadd(r.y, g.y);
-        r.z = fadd(r.z, g.z);
-        r.w = fadd(r.w, g.w);
+        r.x = ieee_add(r.x, g.x);
+        r.y = ieee_add(r.y, g.y);
+        r.z = ieee_add(r.z, g.z);
+        r.w = ieee_add(r.w, g.w);
         byte = twobit_quantize(&r.x, t) << 6 | twobit_quantize(&r.y, t) << 4
              | twobit_quantize(&r.z, t) << 2 | twobit_quantize(&r.w, t);
         reinterpret_cast<float4*>(residual)[j] = r;
     } else {
         for (int e = 0; e < 4; ++e) {
             if (i + e < n) {
-                float x = fadd(residual[i + e], grad[i + e]);
+                float x = ieee_add(residual[i + e], grad[i + e]);
                 byte |= twobit_quantize(&x, t) << (6 - 2 * e);
                 residual[i + e] = x;
             }
@@ -128,16 +117,16 @@ __global__ void twobit_decode4(const unsigned char* __restrict__ codes, float* _
         float4 v = make_float4(twobit_value(byte >> 6, t), twobit_value((byte >> 4) & 3u, t),
                                twobit_value((byte >> 2) & 3u, t), twobit_value(byte & 3u, t));
         if (accumulate) {
-            v.x = fadd(o.x, v.x);
-            v.y = fadd(o.y, v.y);
-            v.z = fadd(o.z, v.z);
-            v.w = fadd(o.w, v.w);
+            v.x = ieee_add(o.x, v.x);
+            v.y = ieee_add(o.y, v.y);
+            v.z = ieee_add(o.z, v.z);
+            v.w = ieee_add(o.w, v.w);
         }
         reinterpret_cast<float4*>(out)[j] = v;
     } else {
         for (int e = 0; i + e < n; ++e) {
             float v = twobit_value((byte >> (6 - 2 * e)) & 3u, t);
-            out[i + e] = accumulate ? fadd(out[i + e], v) : v;
+            out[i + e] = accumulate ? ieee_add(out[i + e], v) : v;
         }
     }
 }
@@ -148,11 +137,12 @@ __global__ void twobit_decode(const unsigned int* __restrict__ words, float* __r
     if (i >= n) return;
     unsigned int code = (words[i >> 4] >> twobit_shift((unsigned int)(i & 15))) & 3u;
     float v = code == 3u ? t : (code == 2u ? -t : 0.0f);
-    out[i] = accumulate ? fadd(out[i], v) : v;
+    out[i] = accumulate ? ieee_add(out[i], v) : v;
 }
 
 }
 """
+)
 
 _BLOCK = 256  # a multiple of 32, so every warp holds whole 16-element words
 

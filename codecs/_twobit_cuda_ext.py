@@ -23,23 +23,12 @@ from typing import Any
 
 import cupy
 
-_SOURCE = r"""
+from kvstore.codecs._cuda_ieee import IEEE_OPS
+
+_SOURCE = (
+    IEEE_OPS
+    + r"""
 extern "C" {
-
-/* float32 add and subtract rounded to nearest, subnormals kept: CuPy compiles with
-   -ftz=true, under which the C operators would flush subnormal inputs and results to zero,
-   unlike numpy. */
-__device__ __forceinline__ float fadd(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float fsub(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
 
 
 __device__ __forceinline__ unsigned int clip_quantize(float* x, const float t, const float limit) {
@@ -47,10 +36,10 @@ __device__ __forceinline__ unsigned int clip_quantize(float* x, const float t, c
     float kept = *x;
     if (kept >= t) {
         code = 3u;
-        kept = fsub(kept, t);
+        kept = ieee_sub(kept, t);
     } else if (kept <= -t) {
         code = 2u;
-        kept = fadd(kept, t);
+        kept = ieee_add(kept, t);
     }
     *x = kept > limit ? limit : (kept < -limit ? -limit : kept);
     return code;
@@ -68,16 +57,16 @@ __global__ void twobit_encode_clipped4(const float* __restrict__ grad,
     if (first + 4 <= n) {
         float4 g = reinterpret_cast<const float4*>(grad)[j];
         float4 r = reinterpret_cast<float4*>(residual)[j];
-        r.x = fadd(r.x, g.x);
-        r.y = fadd(r.y, g.y);
-        r.z = fadd(r.z, g.z);
-        r.w = fadd(r.w, g.w);
+        r.x = ieee_add(r.x, g.x);
+        r.y = ieee_add(r.y, g.y);
+        r.z = ieee_add(r.z, g.z);
+        r.w = ieee_add(r.w, g.w);
         byte = clip_quantize(&r.x, t, limit) << 6 | clip_quantize(&r.y, t, limit) << 4
              | clip_quantize(&r.z, t, limit) << 2 | clip_quantize(&r.w, t, limit);
         reinterpret_cast<float4*>(residual)[j] = r;
     } else {
         for (int e = 0; e < 4 && first + e < n; ++e) {
-            float x = fadd(residual[first + e], grad[first + e]);
+            float x = ieee_add(residual[first + e], grad[first + e]);
             byte |= clip_quantize(&x, t, limit) << (6 - 2 * e);
             residual[first + e] = x;
         }
@@ -93,7 +82,7 @@ __global__ void twobit_encode_clipped(const float* __restrict__ grad,
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     unsigned int code = 0u;
     if (i < n) {
-        float x = fadd(residual[i], grad[i]);
+        float x = ieee_add(residual[i], grad[i]);
         code = clip_quantize(&x, t, limit);
         residual[i] = x;
     }
@@ -126,6 +115,7 @@ __global__ void twobit_count_at_least(const float* __restrict__ values, const fl
 
 }
 """
+)
 
 _BLOCK = 256  # a multiple of 32: every warp holds whole 16-element words
 _COUNT_BLOCKS = 2048  # the count's grid-stride loop: enough blocks to fill any current device
