@@ -161,7 +161,7 @@ def test_workers_that_disagree_on_init_or_optimizer(servers_factory):
     def optimizer(rank):
         # The first to call waits for the other's arguments (until its timeout); the second
         # gets the error at once.
-        with connect(addresses, rank, 2, timeout=5) as kv:
+        with connect(addresses, rank, 2, timeout=3) as kv:
             connected.wait()
             kv.set_optimizer("sgd", learning_rate=0.1 * (rank + 1))
 
