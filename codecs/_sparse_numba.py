@@ -232,10 +232,13 @@ def _pick(hist, need):
 
 
 @njit(nogil=True, cache=True)
-def kth_largest(x, k):
-    """The key of the ``k``-th largest ``abs(x)`` (1 <= k <= len(x)) and how many entries with
-    exactly that key the top ``k`` hold (those above it are all in)."""
+def kth_largest(x, k, idx=None, m=0):
+    """The key of the ``k``-th largest ``abs(x)`` and how many entries with exactly that key
+    the top ``k`` hold (those above it are all in). Over all of ``x`` (``1 <= k <= len(x)``),
+    or over ``x[idx[:m]]`` (``1 <= k <= m``). ``idx is None`` is decided when numba compiles
+    the function, so the whole-array version has no per-element branch."""
     bits = x.view(np.uint32)
+    n = bits.shape[0] if idx is None else m
     hist = np.zeros(2048, dtype=np.int64)
     prefix = np.uint32(0)
     need = k
@@ -244,7 +247,11 @@ def kth_largest(x, k):
         above = np.uint32(_SHIFTS[level] + _WIDTHS[level])
         mask = np.uint32((1 << _WIDTHS[level]) - 1)
         hist[:] = 0
-        for i in range(bits.shape[0]):
+        for j in range(n):
+            if idx is None:
+                i = j
+            else:
+                i = idx[j]
             key = bits[i] & _ABS
             if (key >> above) == prefix:
                 hist[(key >> shift) & mask] += 1
@@ -254,54 +261,20 @@ def kth_largest(x, k):
 
 
 @njit(nogil=True, cache=True)
-def kth_largest_among(x, idx, m, k):
-    """:func:`kth_largest` over ``x[idx[:m]]`` (1 <= k <= m)."""
+def select_top(x, key, quota, out, idx=None, m=0):
+    """The top-k given its k-th key (:func:`kth_largest`): every index whose key is above
+    ``key``, and the first ``quota`` (lowest indices) whose key equals it, ascending, into
+    ``out``. Returns how many. Over all of ``x``, or among the ascending indices ``idx[:m]``
+    (``out`` may be ``idx``)."""
     bits = x.view(np.uint32)
-    hist = np.zeros(2048, dtype=np.int64)
-    prefix = np.uint32(0)
-    need = k
-    for level in range(3):
-        shift = np.uint32(_SHIFTS[level])
-        above = np.uint32(_SHIFTS[level] + _WIDTHS[level])
-        mask = np.uint32((1 << _WIDTHS[level]) - 1)
-        hist[:] = 0
-        for j in range(m):
-            key = bits[idx[j]] & _ABS
-            if (key >> above) == prefix:
-                hist[(key >> shift) & mask] += 1
-        bin_, need = _pick(hist, need)
-        prefix = (prefix << np.uint32(_WIDTHS[level])) | np.uint32(bin_)
-    return prefix, need
-
-
-@njit(nogil=True, cache=True)
-def select_top(x, key, quota, out):
-    """The top-k of ``x`` given its k-th key (:func:`kth_largest`): every index whose key is
-    above ``key``, and the first ``quota`` (lowest indices) whose key equals it, ascending,
-    into ``out``. Returns how many."""
-    bits = x.view(np.uint32)
+    n = bits.shape[0] if idx is None else m
     c = 0
     taken = 0
-    for i in range(bits.shape[0]):
-        k = bits[i] & _ABS
-        if k > key:
-            out[c] = i
-            c += 1
-        elif k == key and taken < quota:
-            out[c] = i
-            c += 1
-            taken += 1
-    return c
-
-
-@njit(nogil=True, cache=True)
-def select_top_among(x, idx, m, key, quota, out):
-    """:func:`select_top` among the ascending indices ``idx[:m]``; ``out`` may be ``idx``."""
-    bits = x.view(np.uint32)
-    c = 0
-    taken = 0
-    for j in range(m):
-        i = idx[j]
+    for j in range(n):
+        if idx is None:
+            i = j
+        else:
+            i = idx[j]
         k = bits[i] & _ABS
         if k > key:
             out[c] = i

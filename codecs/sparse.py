@@ -730,8 +730,8 @@ def _encode_compiled(
         return count
     nb.untake(x, candidates, values, min(count, capacity))
     if k <= count <= capacity:  # the top k are among the candidates
-        key, quota = nb.kth_largest_among(x, candidates, count, k)
-        count = nb.select_top_among(x, candidates, count, key, quota, candidates)
+        key, quota = nb.kth_largest(x, k, candidates, count)
+        count = nb.select_top(x, key, quota, candidates, candidates, count)
     else:
         key, quota = nb.kth_largest(x, k)
         count = nb.select_top(x, key, quota, candidates)
