@@ -40,11 +40,32 @@ def _shift(k):
     return np.uint32(8 * (k >> 2) + 6 - 2 * (k & 3))
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _kept(x, t, nt, limit, nlimit):
+    """The residual kept of ``x = r + g``: MXNet's when ``limit`` is None (settled when numba
+    compiles), else clipped to ``[-limit, limit]``. Only a quantized element can exceed the
+    limit (otherwise ``|x| < t <= limit``), so each branch needs one bound, and a NaN (neither
+    >= t nor <= -t) is kept as it is, as numpy.clip keeps it; inf - t is inf, clipped to the
+    limit."""
+    if x >= t:
+        y = x - t
+        if limit is None:
+            return y
+        return limit if y > limit else y
+    if x <= nt:
+        y = x + t
+        if limit is None:
+            return y
+        return nlimit if y < nlimit else y
+    return x
+
+
 @njit(nogil=True, cache=True)
-def _encode_tail(grad, residual, t, out, start):
+def _encode_tail(grad, residual, t, out, start, limit=None):
     """Per-word encode of elements ``[start, n)``; ``start`` is a multiple of 16."""
     n = grad.shape[0]
     nt = -t
+    nlimit = nt if limit is None else -limit
     for w in range(start // 16, (n + 15) // 16):
         base = 16 * w
         acc = np.uint32(0)
@@ -52,14 +73,14 @@ def _encode_tail(grad, residual, t, out, start):
             x = residual[base + k] + grad[base + k]
             pos = x >= t
             neg = x <= nt
-            residual[base + k] = (x - t) if pos else ((x + t) if neg else x)
+            residual[base + k] = _kept(x, t, nt, limit, nlimit)
             code = np.uint32(3) if pos else (np.uint32(2) if neg else np.uint32(0))
             acc |= code << _shift(k)
         out[w] = acc
 
 
 @njit(nogil=True, cache=True)
-def encode(grad, residual, threshold, out):
+def encode(grad, residual, threshold, out, limit=None):
     """Quantize ``grad`` (+ ``residual``) into 2-bit codes; update ``residual`` in place.
 
     Args:
@@ -67,10 +88,14 @@ def encode(grad, residual, threshold, out):
         residual: float32[n], contiguous; updated in place.
         threshold: np.float32 > 0.
         out: uint32[ceil(n/16)]; every word is fully overwritten (padding codes are 00).
+        limit: None (MXNet's arithmetic), or np.float32 >= threshold: the ``residual_clip``
+            variant, each element's kept residual clipped to ``[-limit, limit]`` (the codes
+            are the same). None compiles a version without the clip's compares.
     """
     n = grad.shape[0]
     t = threshold
     nt = -t
+    nlimit = nt if limit is None else -limit
     codes = np.empty(BLOCK, dtype=np.uint8)
     quads = codes.view(np.uint32)
     packed = out.view(np.uint8)
@@ -81,12 +106,12 @@ def encode(grad, residual, threshold, out):
             x = residual[i] + grad[i]
             pos = x >= t
             neg = x <= nt
-            residual[i] = (x - t) if pos else ((x + t) if neg else x)
+            residual[i] = _kept(x, t, nt, limit, nlimit)
             codes[k] = (np.uint8(3) if pos else np.uint8(0)) | (np.uint8(2) if neg else np.uint8(0))
         first_byte = start // 4
         for j in range(BLOCK // 4):
             packed[first_byte + j] = np.uint8((quads[j] * _PACK) >> np.uint32(24))
-    _encode_tail(grad, residual, t, out, full)
+    _encode_tail(grad, residual, t, out, full, limit)
 
 
 @njit(nogil=True, cache=True)
@@ -148,75 +173,10 @@ def decode(words, n, threshold, out, accumulate):
 # residual_clip variant --------------------------------------------------------------------------
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _kept_clipped(x, t, nt, limit, nlimit):
-    # The residual kept of x = r + g, clipped to [-limit, limit]. Only a quantized element can
-    # exceed the limit (otherwise |x| < t <= limit), so each branch needs one bound, and a NaN
-    # (neither >= t nor <= -t) is kept as it is, as numpy.clip keeps it; inf - t is inf,
-    # clipped to the limit.
-    if x >= t:
-        y = x - t
-        return limit if y > limit else y
-    if x <= nt:
-        y = x + t
-        return nlimit if y < nlimit else y
-    return x
-
-
-@njit(nogil=True, cache=True)
-def _encode_clipped_tail(grad, residual, t, limit, out, start):
-    """Per-word clipped encode of elements ``[start, n)``; ``start`` is a multiple of 16."""
-    n = grad.shape[0]
-    nt = -t
-    nlimit = -limit
-    for w in range(start // 16, (n + 15) // 16):
-        base = 16 * w
-        acc = np.uint32(0)
-        for k in range(min(16, n - base)):
-            x = residual[base + k] + grad[base + k]
-            pos = x >= t
-            neg = x <= nt
-            residual[base + k] = _kept_clipped(x, t, nt, limit, nlimit)
-            code = np.uint32(3) if pos else (np.uint32(2) if neg else np.uint32(0))
-            acc |= code << _shift(k)
-        out[w] = acc
-
-
 @njit(nogil=True, cache=True)
 def encode_clipped(grad, residual, threshold, limit, out):
-    """:func:`encode`, then each element's residual clipped to ``[-limit, limit]``.
-
-    The codes are :func:`encode`'s; only the residual kept differs. Same blocks as
-    :func:`encode`, the clip being one more compare and select per element in the vectorized
-    loop.
-
-    Args:
-        grad: float32[n], contiguous.
-        residual: float32[n], contiguous; updated in place.
-        threshold: np.float32 > 0.
-        limit: np.float32 >= threshold (``residual_clip * threshold`` in float32).
-        out: uint32[ceil(n/16)]; every word is fully overwritten.
-    """
-    n = grad.shape[0]
-    t = threshold
-    nt = -t
-    nlimit = -limit
-    codes = np.empty(BLOCK, dtype=np.uint8)
-    quads = codes.view(np.uint32)
-    packed = out.view(np.uint8)
-    full = n - n % BLOCK
-    for start in range(0, full, BLOCK):
-        for k in range(BLOCK):
-            i = start + k
-            x = residual[i] + grad[i]
-            pos = x >= t
-            neg = x <= nt
-            residual[i] = _kept_clipped(x, t, nt, limit, nlimit)
-            codes[k] = (np.uint8(3) if pos else np.uint8(0)) | (np.uint8(2) if neg else np.uint8(0))
-        first_byte = start // 4
-        for j in range(BLOCK // 4):
-            packed[first_byte + j] = np.uint8((quads[j] * _PACK) >> np.uint32(24))
-    _encode_clipped_tail(grad, residual, t, limit, out, full)
+    """:func:`encode` with ``limit``: the ``residual_clip`` variant's kernel."""
+    encode(grad, residual, threshold, out, limit)
 
 
 @njit(nogil=True, cache=True)
