@@ -331,9 +331,14 @@ class Codec(ABC):
         dtype: str,
         bounds: Sequence[tuple[int, int]],
         device: Any = None,
+        *,
+        worker: int = 0,
     ) -> KeyEncoder:
         """The worker-side encoder of a whole key of ``numel`` elements, split into chunks at
         ``bounds`` (each chunk's ``(start, stop)``, in order, covering ``[0, numel)``).
+
+        ``worker`` is the pushing worker's rank: codecs that round stochastically key their
+        generator with it, so that the workers' rounding noise is independent.
 
         By default every chunk gets its own :meth:`make_encoder` and nothing is done per key;
         codecs whose selection spans the key override this.

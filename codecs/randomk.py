@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 from kvstore.codecs.base import register_codec
+from kvstore.codecs.counter_rng import counter_hash, hash32
 from kvstore.codecs.sparse import (
     RANDOM,
     Selection,
     SparseCodec,
-    counter_hash,
     ratio_param,
     seed_param,
     top_count,
@@ -38,7 +38,7 @@ from kvstore.errors import CodecError
 
 ROUNDS = 4
 PERMUTATION_PURPOSE = 2
-"""The purpose word of :func:`~kvstore.codecs.sparse.counter_hash` for round keys."""
+"""The purpose word of :func:`~kvstore.codecs.counter_rng.counter_hash` for round keys."""
 
 _M32 = 0xFFFFFFFF
 
@@ -59,21 +59,12 @@ def round_keys(seed: int, key_hash: int, step: int) -> tuple[int, ...]:
     )
 
 
-def _hash32(x: np.ndarray) -> np.ndarray:
-    """A 32-bit integer hash (on uint64 arrays holding 32-bit values)."""
-    x = x ^ (x >> np.uint64(16))
-    x = (x * np.uint64(0x7FEB352D)) & np.uint64(_M32)
-    x = x ^ (x >> np.uint64(15))
-    x = (x * np.uint64(0x846CA68B)) & np.uint64(_M32)
-    return x ^ (x >> np.uint64(16))
-
-
 def _feistel(values: np.ndarray, half: int, keys: tuple[int, ...]) -> np.ndarray:
     mask = np.uint64((1 << half) - 1)
     left = values >> np.uint64(half)
     right = values & mask
     for key in keys:
-        left, right = right, left ^ (_hash32(right ^ np.uint64(key)) & mask)
+        left, right = right, left ^ (hash32(right ^ np.uint64(key)) & mask)
     return (left << np.uint64(half)) | right
 
 

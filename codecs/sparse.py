@@ -33,9 +33,10 @@ the spec; ``KVSTORE_CPU_KERNELS=numpy``), the compiled CPU kernels of ``_sparse_
 default) and the CuPy code of ``_sparse_cuda`` for GPU values.
 
 **Deterministic choices** shared by the family, so that every implementation agrees: the key's
-identity is hashed with :func:`stable_key_hash`, per-push randomness comes from
-:func:`counter_hash` of ``(seed, key, step, purpose...)`` (no generator state), and ratios become
-counts with :func:`ceil_ratio`, which reads the ratio as the decimal its ``repr`` shows
+identity is hashed with :func:`~kvstore.codecs.counter_rng.stable_key_hash`, per-push randomness
+comes from :func:`~kvstore.codecs.counter_rng.counter_hash` of ``(seed, key, step, purpose...)``
+(no generator state), and ratios become counts with :func:`ceil_ratio`, which reads the ratio as
+the decimal its ``repr`` shows
 (``0.07 * 100`` is 7, not 8).
 """
 
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import zlib
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any, ClassVar, NamedTuple
@@ -59,6 +59,7 @@ from kvstore.codecs.base import (
     PushQuality,
     squared_norm,
 )
+from kvstore.codecs.counter_rng import stable_key_hash
 from kvstore.codecs.finite import count_nonfinite
 from kvstore.codecs.xp import is_cupy_array, pinned_empty
 from kvstore.config import cpu_kernels_from_env
@@ -70,35 +71,8 @@ INDEX_DTYPE = np.dtype(np.uint32)
 THRESHOLD, TOP_K, RANDOM = 0, 1, 2
 """Selection kinds (:attr:`Selection.kind`)."""
 
-_M64 = (1 << 64) - 1
-
 
 # deterministic helpers -------------------------------------------------------------------------
-
-
-def stable_key_hash(key: Any) -> int:
-    """A 32-bit hash of a key that is the same in every process and run (CRC-32 of its
-    ``repr``: ``5`` and ``"5"`` differ). None (an encoder made without a key) hashes to 0."""
-    if key is None:
-        return 0
-    return zlib.crc32(repr(key).encode("utf-8"))
-
-
-def _mix64(x: int) -> int:
-    """SplitMix64's finalizer: a bijective mix of a 64-bit integer."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def counter_hash(*words: int) -> int:
-    """A 64-bit hash of a tuple of non-negative integers (seed, key hash, step, purpose...):
-    the counter-based randomness of the family, with no generator state to carry or sync."""
-    h = 0
-    for word in words:
-        h = _mix64(h ^ (int(word) & _M64))
-    return h
 
 
 def ceil_ratio(ratio: float, count: int) -> int:
@@ -379,6 +353,8 @@ class SparseCodec(Codec):
         dtype: str,
         bounds: Sequence[tuple[int, int]],
         device: Any = None,
+        *,
+        worker: int = 0,
     ) -> SparseKeyEncoder:
         self.check_dtype(dtype)
         return SparseKeyEncoder(self, key, numel, bounds, device)

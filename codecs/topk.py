@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from kvstore.codecs.base import register_codec
+from kvstore.codecs.counter_rng import counter_hash
 from kvstore.codecs.sparse import (
     TOP_K,
     SamplePlan,
     Selection,
     SparseCodec,
     accepted_count,
-    counter_hash,
     fraction_param,
     ratio_param,
     sample_plan,
@@ -45,7 +45,7 @@ from kvstore.codecs.sparse import (
 )
 
 SAMPLE_PURPOSE = 1
-"""The purpose word of :func:`~kvstore.codecs.sparse.counter_hash` for sample starts."""
+"""The purpose word of :func:`~kvstore.codecs.counter_rng.counter_hash` for sample starts."""
 
 
 def top_k_reference(magnitudes: np.ndarray, k: int) -> np.ndarray:

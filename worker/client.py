@@ -717,6 +717,7 @@ class KVStore:
                 state.dtype,
                 [(chunk.start, chunk.stop) for chunk in state.chunks],
                 device,
+                worker=self.rank,
             )
             for encoder in key_encoder.chunks:  # named in the encoders' warnings
                 encoder.label = state.describe()

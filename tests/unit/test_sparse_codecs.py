@@ -12,6 +12,7 @@ import pytest
 from kvstore import checkpoint
 from kvstore.codecs import _sparse_numba, get_codec, sparse
 from kvstore.codecs.base import ANY_RELAY_PUSHES, relay_fits
+from kvstore.codecs.counter_rng import counter_hash
 from kvstore.codecs.dgc import WARMUP_DENSITIES, density, sum_of_squares_reference
 from kvstore.codecs.randomk import permuted_prefix_reference
 from kvstore.codecs.topk import top_k_reference
@@ -290,7 +291,7 @@ def test_randomk_is_reproducible_rank_independent_and_fresh_every_step(monkeypat
 @pytest.mark.parametrize("numel", [1, 2, 5, 16, 17, 1000])
 def test_the_keyed_permutation_is_a_permutation(numel):
     for step in range(3):
-        keys = sparse.counter_hash(1, step), sparse.counter_hash(2, step)
+        keys = counter_hash(1, step), counter_hash(2, step)
         keys = tuple(k & 0xFFFFFFFF for k in (*keys, *keys))
         from kvstore.codecs.randomk import half_bits
 

@@ -1,0 +1,82 @@
+"""CUDA source shared by the quantizing codecs' CuPy kernels (``_sign_cuda``, ``_stochastic_cuda``,
+``_cast_cuda``): the counter generator, the warp form of the blocked lane sum, and code packing,
+bit for bit as :mod:`kvstore.codecs.quantize` and :mod:`kvstore.codecs.counter_rng` define them.
+
+Prepend :data:`QUANT_OPS` (it includes :data:`~kvstore.codecs._cuda_ieee.IEEE_OPS`) to a
+kernel's source. The blocked lane sum maps one block of ``SUM_BLOCK`` elements to one warp:
+thread ``l`` sums its lane (elements ``l, l + 32, ...`` of the block: the warp's loads are
+coalesced) in order from ``+0.0``, and :func:`quant_combine_lanes` adds the 32 lane sums in
+lane order. The block sums are lane-summed again by one warp (:func:`quant_lane_sum_warp`), on
+the device, so a kernel that needs a chunk's scale reads it from device memory instead of
+waiting for the host. float64 adds go through ``__dadd_rn`` (never contracted); products of two
+float32 are exact in float64, so contraction could not change them anyway.
+
+Importing this module does not need CuPy.
+"""
+
+from kvstore.codecs._cuda_ieee import IEEE_OPS
+
+QUANT_OPS = (
+    IEEE_OPS
+    + r"""
+/* kvstore.codecs.counter_rng.hash32 */
+__device__ __forceinline__ unsigned int quant_hash32(unsigned int x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* The float32 uniform in [0, 1) of element i of the stream with key halves lo, hi. */
+__device__ __forceinline__ float quant_uniform(unsigned int lo, unsigned int hi,
+                                              unsigned long long i) {
+    unsigned int h = quant_hash32(quant_hash32((unsigned int)i ^ lo) + hi);
+    return ieee_mul((float)(h >> 8), 5.9604644775390625e-08f);  /* exact: 24 bits * 2**-24 */
+}
+
+/* Lane 0 + lane 1 + ... + lane 31 in order from +0.0; every thread of the (full) warp passes
+   its lane's sum and gets the total. */
+__device__ __forceinline__ double quant_combine_lanes(double lane_value) {
+    double total = 0.0;
+    for (int l = 0; l < 32; ++l) {
+        total = __dadd_rn(total, __shfl_sync(0xffffffffu, lane_value, l));
+    }
+    return total;
+}
+
+/* The lane sum of v[0..n) computed by one full warp (every thread gets it). */
+__device__ __forceinline__ double quant_lane_sum_warp(const double* v, long long n) {
+    unsigned int lane = threadIdx.x & 31u;
+    double acc = 0.0;
+    for (long long i = lane; i < n; i += 32) {
+        acc = __dadd_rn(acc, v[i]);
+    }
+    return quant_combine_lanes(acc);
+}
+
+/* Write group g (eight codes of `width` bits, code k at bit k*width of `word`) of a packed
+   stream of nbytes bytes. */
+__device__ __forceinline__ void quant_store_group(unsigned char* out, long long g,
+                                                  unsigned long long word, int width,
+                                                  long long nbytes) {
+    long long base = g * width;
+    for (int b = 0; b < width; ++b) {
+        if (base + b < nbytes) out[base + b] = (unsigned char)(word >> (8 * b));
+    }
+}
+
+/* The word of group g of a packed stream (zero past its end). */
+__device__ __forceinline__ unsigned long long quant_load_group(const unsigned char* packed,
+                                                               long long g, int width,
+                                                               long long nbytes) {
+    long long base = g * width;
+    unsigned long long word = 0ull;
+    for (int b = 0; b < width; ++b) {
+        if (base + b < nbytes) word |= ((unsigned long long)packed[base + b]) << (8 * b);
+    }
+    return word;
+}
+"""
+)
