@@ -16,7 +16,10 @@ must move (its memory floor):
   ratio 1.0; DGC's momentum and velocity 20 B/element); ``topk`` sampled (the default) and
   exact, ``threshold``, ``randomk``, ``dgc``;
 * the server's round of 8 workers' 0.1% ``topk`` pushes into one accumulator (zero it, then
-  scatter-add each; validation included): its floor is the zeroing, 4 B/element (0.33).
+  scatter-add each; validation included): its floor is the zeroing, 4 B/element (0.33);
+* the quantizing codecs (``1bit``, ``efsign``, ``terngrad``, ``qsgd``, ``fp16``, ``bf16``):
+  the encode of a chunk with its state update, and the server's decode-and-accumulate of one
+  push, each next to its memory floor (:data:`QUANTIZER_CASES`).
 
 It also times the server-side decode/aggregate of one round (the real ``Aggregator`` objects,
 one per partition) on 1, 2, 4... threads, which scales because the kernels release the GIL.
@@ -164,6 +167,65 @@ def bench_sparse(n: int, repeats: int) -> None:
               "floor_ratio": round(floors[name] / 12.0, 3), "threads": 1})  # fmt: skip
 
 
+QUANTIZER_CASES = {
+    "1bit": ({"type": "1bit"}, 12.125, 8.125),
+    "efsign": ({"type": "efsign"}, 12.125, 8.125),
+    "terngrad": ({"type": "terngrad"}, 4.25, 8.25),
+    "qsgd (levels 15)": ({"type": "qsgd", "levels": 15}, 4.625, 8.625),
+    "fp16": ({"type": "fp16"}, 6.0, 10.0),
+    "fp16 (error feedback)": ({"type": "fp16", "error_feedback": True}, 14.0, 10.0),
+    "bf16": ({"type": "bf16"}, 6.0, 10.0),
+    "bf16 (error feedback)": ({"type": "bf16", "error_feedback": True}, 14.0, 10.0),
+}
+"""Quantizing codecs timed on the CPU: spec, then the memory floor in bytes per element of the
+encode (read the gradient, and the residual where there is one; write the residual and the
+codes) and of the server's decode-and-accumulate (read the codes, read and write the sum)."""
+
+
+def bench_quantizers(n: int, repeats: int) -> None:
+    """Each quantizing codec's CPU encode of one ``n``-element chunk (as the client calls it,
+    after its NaN check) and the server's decode-and-accumulate of one push, against ``a += b``
+    over the same array, interleaved."""
+    from kvstore.codecs import codec_from_spec, registered_codecs
+
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    cases: dict[str, Any] = {"a += b (numpy)": lambda: np.add(a, b, out=a)}
+    floors = {"a += b (numpy)": 12.0}
+    for label, (spec, encode_floor, decode_floor) in QUANTIZER_CASES.items():
+        if spec["type"] not in registered_codecs():
+            continue
+        codec = codec_from_spec(spec)
+        encoder = codec.make_key_encoder("bench", n, "float32", [(0, n)])
+        frames = [np.array(f, copy=True) for f in encoder.chunks[0].encode(grads[0])]
+        aggregator = codec.make_aggregator(n, "float32")
+        aggregator.add(frames, first=True)
+        pushes = iter(range(1 << 62))
+
+        def encode(encoder: Any = encoder, pushes: Any = pushes) -> None:
+            grad = grads[next(pushes) % 2]
+            encoder.begin(grad, finite=True)
+            encoder.chunks[0].encode(grad)
+
+        def decode(aggregator: Any = aggregator, frames: Any = frames) -> None:
+            aggregator.add(frames, first=False)
+
+        cases[f"{label} encode (numba)"] = encode
+        floors[f"{label} encode (numba)"] = encode_floor
+        cases[f"{label} decode+accumulate (numba)"] = decode
+        floors[f"{label} decode+accumulate (numba)"] = decode_floor
+    medians = interleaved_medians(cases, repeats)
+    base = medians["a += b (numpy)"]
+    for name, seconds in medians.items():
+        if name == "a += b (numpy)":
+            continue
+        emit({"bench": "codecs", "op": name, "elements": n, "seconds": round(seconds, 6),
+              "ratio_to_add": round(seconds / base, 3),
+              "floor_ratio": round(floors[name] / 12.0, 3), "threads": 1})  # fmt: skip
+
+
 def bench_server_threads(n: int, partitions: int, thread_counts: list[int], repeats: int) -> None:
     """One round of server-side decode/aggregate: ``partitions`` aggregators, T threads."""
     codec = get_codec("2bit", threshold=0.5)
@@ -258,6 +320,7 @@ def bench_gpu(repeats: int) -> None:
 
 GPU_CODECS = {
     "2bit:residual_clip=1": ({"type": "2bit", "threshold": 0.5, "residual_clip": 1}, 12.0),
+    **{label: (spec, floor) for label, (spec, floor, _) in QUANTIZER_CASES.items()},
     "threshold": ({"type": "threshold", "threshold": 2.5}, 12.0),
     "topk (sampled)": ({"type": "topk", "ratio": 0.01}, 12.0),
     "topk (exact)": ({"type": "topk", "ratio": 0.01, "sample": 0}, 12.0),
@@ -368,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     bench_kernels(n, repeats)
     bench_sparse(n, repeats)
+    bench_quantizers(n, repeats)
     bench_server_threads(n, preset["partitions"], preset["threads"], repeats)
     if args.gpu:
         bench_gpu(repeats)
