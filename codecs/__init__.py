@@ -2,12 +2,14 @@
 
 Built in: ``"none"`` (identity), ``"2bit"`` (MXNet-compatible threshold quantization with
 residuals) and the sparse family ``"threshold"``, ``"topk"``, ``"randomk"`` and ``"dgc"``
-(:mod:`kvstore.codecs.sparse`). Get one with :func:`get_codec` or :func:`codec_from_spec`::
+(:mod:`kvstore.codecs.sparse`), and the 16-bit casts ``"fp16"`` and ``"bf16"``
+(:mod:`kvstore.codecs.cast16`). Get one with :func:`get_codec` or :func:`codec_from_spec`::
 
     codec = codec_from_spec({"type": "2bit", "threshold": 0.5})
 """
 
 from kvstore.codecs import (  # noqa: F401  (importing a codec's module registers it)
+    cast16,
     dgc,
     identity,
     randomk,

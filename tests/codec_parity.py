@@ -22,6 +22,8 @@ SPECS: dict[str, dict[str, Any]] = {
     "topk": {"type": "topk", "ratio": 0.01},
     "randomk": {"type": "randomk", "ratio": 0.02, "seed": 3},
     "dgc": {"type": "dgc", "ratio": 0.01, "warmup_steps": 4},
+    "fp16": {"type": "fp16"},
+    "bf16": {"type": "bf16", "error_feedback": True},
 }
 """A spec of every registered codec (a new codec adds its line; a test checks they match)."""
 
@@ -29,6 +31,8 @@ EXTRA_SPECS = [
     {"type": "2bit", "threshold": 0.25, "residual_clip": 1},
     {"type": "topk", "ratio": 0.05, "sample": 0},
     {"type": "dgc", "ratio": 0.02, "nesterov": True, "clip_norm": 30.0},
+    {"type": "fp16", "error_feedback": True},
+    {"type": "bf16"},
 ]
 """Variants worth their own run."""
 
