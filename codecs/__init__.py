@@ -2,8 +2,10 @@
 
 Built in: ``"none"`` (identity), ``"2bit"`` (MXNet-compatible threshold quantization with
 residuals) and the sparse family ``"threshold"``, ``"topk"``, ``"randomk"`` and ``"dgc"``
-(:mod:`kvstore.codecs.sparse`), and the 16-bit casts ``"fp16"`` and ``"bf16"``
-(:mod:`kvstore.codecs.cast16`). Get one with :func:`get_codec` or :func:`codec_from_spec`::
+(:mod:`kvstore.codecs.sparse`), the 16-bit casts ``"fp16"`` and ``"bf16"``
+(:mod:`kvstore.codecs.cast16`), and the sign quantizers ``"1bit"`` and ``"efsign"``
+(:mod:`kvstore.codecs.onebit`, :mod:`kvstore.codecs.efsign`). Get one with :func:`get_codec` or
+:func:`codec_from_spec`::
 
     codec = codec_from_spec({"type": "2bit", "threshold": 0.5})
 """
@@ -11,7 +13,9 @@ residuals) and the sparse family ``"threshold"``, ``"topk"``, ``"randomk"`` and 
 from kvstore.codecs import (  # noqa: F401  (importing a codec's module registers it)
     cast16,
     dgc,
+    efsign,
     identity,
+    onebit,
     randomk,
     threshold,
     topk,

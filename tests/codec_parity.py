@@ -24,6 +24,8 @@ SPECS: dict[str, dict[str, Any]] = {
     "dgc": {"type": "dgc", "ratio": 0.01, "warmup_steps": 4},
     "fp16": {"type": "fp16"},
     "bf16": {"type": "bf16", "error_feedback": True},
+    "1bit": {"type": "1bit"},
+    "efsign": {"type": "efsign"},
 }
 """A spec of every registered codec (a new codec adds its line; a test checks they match)."""
 
