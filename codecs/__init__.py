@@ -4,8 +4,9 @@ Built in: ``"none"`` (identity), ``"2bit"`` (MXNet-compatible threshold quantiza
 residuals) and the sparse family ``"threshold"``, ``"topk"``, ``"randomk"`` and ``"dgc"``
 (:mod:`kvstore.codecs.sparse`), the 16-bit casts ``"fp16"`` and ``"bf16"``
 (:mod:`kvstore.codecs.cast16`), and the sign quantizers ``"1bit"`` and ``"efsign"``
-(:mod:`kvstore.codecs.onebit`, :mod:`kvstore.codecs.efsign`). Get one with :func:`get_codec` or
-:func:`codec_from_spec`::
+(:mod:`kvstore.codecs.onebit`, :mod:`kvstore.codecs.efsign`), and the stochastic quantizers
+``"terngrad"`` and ``"qsgd"`` (:mod:`kvstore.codecs.terngrad`, :mod:`kvstore.codecs.qsgd`). Get
+one with :func:`get_codec` or :func:`codec_from_spec`::
 
     codec = codec_from_spec({"type": "2bit", "threshold": 0.5})
 """
@@ -16,7 +17,9 @@ from kvstore.codecs import (  # noqa: F401  (importing a codec's module register
     efsign,
     identity,
     onebit,
+    qsgd,
     randomk,
+    terngrad,
     threshold,
     topk,
     twobit,

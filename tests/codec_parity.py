@@ -26,6 +26,8 @@ SPECS: dict[str, dict[str, Any]] = {
     "bf16": {"type": "bf16", "error_feedback": True},
     "1bit": {"type": "1bit"},
     "efsign": {"type": "efsign"},
+    "terngrad": {"type": "terngrad", "seed": 7},
+    "qsgd": {"type": "qsgd", "seed": 7},
 }
 """A spec of every registered codec (a new codec adds its line; a test checks they match)."""
 
@@ -35,6 +37,9 @@ EXTRA_SPECS = [
     {"type": "dgc", "ratio": 0.02, "nesterov": True, "clip_norm": 30.0},
     {"type": "fp16", "error_feedback": True},
     {"type": "bf16"},
+    {"type": "terngrad", "clip": 0},
+    {"type": "qsgd", "levels": 1, "bucket": 100},
+    {"type": "qsgd", "levels": 127, "bucket": 5000, "seed": 2},
 ]
 """Variants worth their own run."""
 

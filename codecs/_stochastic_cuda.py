@@ -1,0 +1,334 @@
+"""CuPy (CUDA) kernels of the stochastic quantizers ``terngrad`` and ``qsgd``: the payload bytes
+of the numpy references in :mod:`kvstore.codecs.terngrad` and :mod:`kvstore.codecs.qsgd`, bit
+for bit, written on the device (the encoder copies them to pinned host buffers).
+
+One push, on the device, without a host round trip:
+
+* **terngrad**: ``terngrad_stats`` gives one warp to each block of ``SUM_BLOCK`` elements: its
+  lane sums of ``x`` and ``x * x`` in float64 (thread ``l`` sums elements ``l, l + 32, ...`` in
+  order; :func:`quant_combine_lanes` adds the lanes in order) and its largest magnitude (the
+  bits of ``abs(x)``: non-negative floats order like their bits). ``terngrad_finish``, one
+  warp, lane-sums the block sums, takes the largest magnitude and writes ``s`` into the scales
+  frame; ``terngrad_codes`` reads ``s`` there, one thread per code byte (four elements).
+* **qsgd**: ``qsgd_partials`` gives one warp to each (bucket, ``SUM_BLOCK`` block of it) for
+  the lane sum of squares; ``qsgd_norms``, one warp per bucket, lane-sums a bucket's partial
+  sums (a bucket of one block has one, which is its sum) and writes the norm into the scales
+  frame and ``levels / norm`` into a scratch array; ``qsgd_codes`` gives one thread to each
+  group of eight codes (``width`` bytes).
+
+CuPy compiles with ``-ftz=true`` (subnormal inputs and results of float32 operations flushed
+to zero) and NVRTC contracts ``a*b + c``, so every float32 operation whose bits matter goes
+through explicit PTX (``IEEE_OPS`` and :data:`_STOCHASTIC_OPS`: division, float64 to float32)
+and float64 ones through the ``__d*_rn`` intrinsics; magnitudes and comparisons between
+non-negative floats use their bits (``fabsf``, ``fminf`` and float compares flush subnormals).
+
+Imported only when a CuPy array is encoded; importing it needs CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import cupy
+
+from kvstore.codecs._quant_cuda import QUANT_OPS
+from kvstore.codecs.quantize import SUM_BLOCK
+
+_WARPS_PER_BLOCK = 8
+_THREADS = 256
+
+_SOURCE = (
+    QUANT_OPS
+    + r"""
+#define SUM_BLOCK """
+    + str(SUM_BLOCK)
+    + r"""
+#define WARPS_PER_BLOCK """
+    + str(_WARPS_PER_BLOCK)
+    + r"""
+
+/* float32 division and float64 -> float32, rounded to nearest, subnormals kept. */
+__device__ __forceinline__ float stochastic_div(float a, float b) {
+    float d;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+__device__ __forceinline__ float stochastic_narrow(double a) {
+    float d;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(d) : "d"(a));
+    return d;
+}
+
+/* The largest of the 32 lanes' values, in every lane. */
+__device__ __forceinline__ unsigned int stochastic_warp_max(unsigned int v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    return v;
+}
+
+extern "C" {
+
+/* One warp per SUM_BLOCK block of g: lane sums of x and x*x (float64), largest |x| (bits). */
+__global__ void terngrad_stats(const float* __restrict__ g, const long long n,
+                               const int moments, double* __restrict__ sums,
+                               double* __restrict__ squares, unsigned int* __restrict__ tops,
+                               const long long nblocks) {
+    long long b = (long long)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / 32;
+    if (b >= nblocks) return;  /* b is the same in the whole warp */
+    unsigned int lane = threadIdx.x & 31u;
+    long long stop = min(n, (b + 1) * SUM_BLOCK);
+    double s1 = 0.0, s2 = 0.0;
+    unsigned int top = 0u;
+    for (long long i = b * SUM_BLOCK + lane; i < stop; i += 32) {
+        float x = g[i];
+        top = max(top, magnitude_key(x));
+        if (moments) {
+            double w = ieee_widen(x);
+            s1 = __dadd_rn(s1, w);
+            s2 = __dadd_rn(s2, __dmul_rn(w, w));
+        }
+    }
+    top = stochastic_warp_max(top);
+    s1 = quant_combine_lanes(s1);
+    s2 = quant_combine_lanes(s2);
+    if (lane == 0) {
+        sums[b] = s1;
+        squares[b] = s2;
+        tops[b] = top;
+    }
+}
+
+/* One warp: the chunk's scale s into scale[0] (see kvstore.codecs.terngrad). */
+__global__ void terngrad_finish(const double* __restrict__ sums,
+                                const double* __restrict__ squares,
+                                const unsigned int* __restrict__ tops, const long long nblocks,
+                                const long long n, const double clip, float* __restrict__ scale) {
+    unsigned int top = 0u;
+    for (long long i = threadIdx.x; i < nblocks; i += 32) top = max(top, tops[i]);
+    top = stochastic_warp_max(top);
+    double s1 = quant_lane_sum_warp(sums, nblocks);
+    double s2 = quant_lane_sum_warp(squares, nblocks);
+    if (threadIdx.x != 0) return;
+    if (clip > 0.0) {
+        double count = (double)n;
+        double mean = __ddiv_rn(s1, count);
+        double var = __dsub_rn(__ddiv_rn(s2, count), __dmul_rn(mean, mean));
+        var = var > 0.0 ? var : 0.0;
+        float limit = stochastic_narrow(__dmul_rn(clip, __dsqrt_rn(var)));
+        top = min(top, magnitude_key(limit));  /* magnitudes: bits order like the floats */
+    }
+    scale[0] = __uint_as_float(top);  /* 0 bits: +0.0 */
+}
+
+/* One thread per code byte (elements 4j .. 4j+3). */
+__global__ void terngrad_codes(const float* __restrict__ g, const long long n,
+                               const float* __restrict__ scale, const unsigned int lo,
+                               const unsigned int hi, const unsigned long long start,
+                               unsigned char* __restrict__ out, const long long nbytes) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= nbytes) return;
+    float s = scale[0];
+    unsigned int s_bits = __float_as_uint(s);
+    unsigned int byte = 0u;
+    if (s_bits != 0u) {
+        for (int e = 0; e < 4; ++e) {
+            long long i = 4 * j + e;
+            if (i >= n) break;
+            unsigned int x_bits = __float_as_uint(g[i]);
+            unsigned int clipped = min(x_bits & 0x7fffffffu, s_bits);
+            float u = quant_uniform(lo, hi, start + (unsigned long long)i);
+            if (__float_as_uint(ieee_mul(u, s)) < clipped) {  /* u * s >= +0.0 */
+                byte |= ((x_bits >> 31) ? 2u : 1u) << (2 * e);
+            }
+        }
+    }
+    out[j] = (unsigned char)byte;
+}
+
+/* One warp per (bucket, SUM_BLOCK block of it): the lane sum of x*x (float64). */
+__global__ void qsgd_partials(const float* __restrict__ v, const long long n,
+                              const long long bucket, const long long nsub,
+                              const long long nwork, double* __restrict__ partials) {
+    long long w = (long long)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / 32;
+    if (w >= nwork) return;
+    unsigned int lane = threadIdx.x & 31u;
+    long long q = w / nsub;
+    long long first = q * bucket + (w % nsub) * SUM_BLOCK;
+    long long stop = min(min(n, (q + 1) * bucket), first + SUM_BLOCK);
+    double acc = 0.0;
+    for (long long i = first + lane; i < stop; i += 32) {
+        double x = ieee_widen(v[i]);
+        acc = __dadd_rn(acc, __dmul_rn(x, x));
+    }
+    acc = quant_combine_lanes(acc);
+    if (lane == 0) partials[w] = acc;
+}
+
+/* One warp per bucket: norm = float32(sqrt(lane sum of its partial sums)), inv = L / norm. */
+__global__ void qsgd_norms(const double* __restrict__ partials, const long long nsub,
+                           const long long nbuckets, const float levels,
+                           float* __restrict__ norms, float* __restrict__ inverses) {
+    long long q = (long long)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / 32;
+    if (q >= nbuckets) return;
+    /* A shorter last bucket has +0.0 partial sums past its end, which change no lane sum. */
+    double total = nsub == 1 ? partials[q] : quant_lane_sum_warp(partials + q * nsub, nsub);
+    if ((threadIdx.x & 31u) == 0) {
+        float norm = stochastic_narrow(__dsqrt_rn(total));
+        norms[q] = norm;
+        inverses[q] = stochastic_div(levels, norm);
+    }
+}
+
+/* One thread per group of eight codes (`width` bytes). */
+__global__ void qsgd_codes(const float* __restrict__ v, const long long n,
+                           const long long bucket, const float* __restrict__ norms,
+                           const float* __restrict__ inverses, const int levels,
+                           const unsigned int lo, const unsigned int hi,
+                           const unsigned long long start, const int width,
+                           unsigned char* __restrict__ out, const long long nbytes,
+                           const long long ngroups) {
+    long long group = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (group >= ngroups) return;
+    const float top = (float)levels;
+    unsigned long long word = 0ull;
+    for (int k = 0; k < 8; ++k) {
+        long long i = 8 * group + k;
+        if (i >= n) break;
+        long long q = i / bucket;
+        unsigned int code = 0u;
+        if (__float_as_uint(norms[q]) != 0u) {
+            unsigned int x_bits = __float_as_uint(v[i]);
+            float x = ieee_mul(__uint_as_float(x_bits & 0x7fffffffu), inverses[q]);
+            float t = ieee_add(x, quant_uniform(lo, hi, start + (unsigned long long)i));
+            /* min(floor(t), L); NaN (0 * inf) -> 0. t >= 1 here, so no subnormal is compared. */
+            int level = t >= top ? levels : (t >= 1.0f ? (int)t : 0);
+            code = ((unsigned int)level << 1) | ((level > 0 && (x_bits >> 31)) ? 1u : 0u);
+        }
+        word |= (unsigned long long)code << (k * width);
+    }
+    quant_store_group(out, group, word, width, nbytes);
+}
+
+}
+"""
+)
+
+
+@functools.cache
+def _module() -> Any:
+    return cupy.RawModule(code=_SOURCE, options=("--std=c++14", "--fmad=false"))
+
+
+def _kernel(name: str) -> Any:
+    return _module().get_function(name)
+
+
+def _grid(count: int, per_block: int) -> tuple[int]:
+    return ((count + per_block - 1) // per_block,)
+
+
+def terngrad_encode(
+    grad: Any, clip: float, lo: int, hi: int, start: int, scales: Any, packed: Any
+) -> None:
+    """Encode float32 ``grad`` (CuPy, flat): its scale into the 4-byte uint8 ``scales`` frame,
+    its 2-bit codes into the uint8 ``packed`` frame (both CuPy)."""
+    n = int(grad.size)
+    scale = scales.view(cupy.float32)
+    if n == 0:
+        scale.fill(0)
+        return
+    grad = cupy.ascontiguousarray(grad)
+    nblocks = (n + SUM_BLOCK - 1) // SUM_BLOCK
+    sums = cupy.empty(nblocks, dtype=cupy.float64)
+    squares = cupy.empty(nblocks, dtype=cupy.float64)
+    tops = cupy.empty(nblocks, dtype=cupy.uint32)
+    _kernel("terngrad_stats")(
+        _grid(nblocks, _WARPS_PER_BLOCK),
+        (_THREADS,),
+        (grad, cupy.int64(n), cupy.int32(clip > 0), sums, squares, tops, cupy.int64(nblocks)),
+    )
+    _kernel("terngrad_finish")(
+        (1,),
+        (32,),
+        (sums, squares, tops, cupy.int64(nblocks), cupy.int64(n), cupy.float64(clip), scale),
+    )
+    nbytes = int(packed.size)
+    _kernel("terngrad_codes")(
+        _grid(nbytes, _THREADS),
+        (_THREADS,),
+        (
+            grad,
+            cupy.int64(n),
+            scale,
+            cupy.uint32(lo),
+            cupy.uint32(hi),
+            cupy.uint64(start),
+            packed,
+            cupy.int64(nbytes),
+        ),
+    )
+
+
+def qsgd_encode(
+    values: Any,
+    levels: int,
+    bucket: int,
+    lo: int,
+    hi: int,
+    start: int,
+    scales: Any,
+    packed: Any,
+    width: int,
+) -> None:
+    """Encode float32 ``values`` (CuPy, flat): one norm per bucket into the uint8 ``scales``
+    frame, the ``width``-bit codes into the uint8 ``packed`` frame (both CuPy)."""
+    n = int(values.size)
+    if n == 0:
+        return
+    values = cupy.ascontiguousarray(values)
+    norms = scales.view(cupy.float32)
+    nbuckets = int(norms.size)
+    nsub = (min(bucket, n) + SUM_BLOCK - 1) // SUM_BLOCK
+    nwork = nbuckets * nsub
+    partials = cupy.empty(nwork, dtype=cupy.float64)
+    inverses = cupy.empty(nbuckets, dtype=cupy.float32)
+    _kernel("qsgd_partials")(
+        _grid(nwork, _WARPS_PER_BLOCK),
+        (_THREADS,),
+        (values, cupy.int64(n), cupy.int64(bucket), cupy.int64(nsub), cupy.int64(nwork), partials),
+    )
+    _kernel("qsgd_norms")(
+        _grid(nbuckets, _WARPS_PER_BLOCK),
+        (_THREADS,),
+        (
+            partials,
+            cupy.int64(nsub),
+            cupy.int64(nbuckets),
+            cupy.float32(levels),
+            norms,
+            inverses,
+        ),
+    )
+    ngroups = (n + 7) // 8
+    _kernel("qsgd_codes")(
+        _grid(ngroups, _THREADS),
+        (_THREADS,),
+        (
+            values,
+            cupy.int64(n),
+            cupy.int64(bucket),
+            norms,
+            inverses,
+            cupy.int32(levels),
+            cupy.uint32(lo),
+            cupy.uint32(hi),
+            cupy.uint64(start),
+            cupy.int32(width),
+            packed,
+            cupy.int64(int(packed.size)),
+            cupy.int64(ngroups),
+        ),
+    )
