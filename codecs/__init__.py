@@ -3,9 +3,9 @@
 Built in: ``"none"`` (identity), ``"2bit"`` (MXNet-compatible threshold quantization with
 residuals) and the sparse family ``"threshold"``, ``"topk"``, ``"randomk"`` and ``"dgc"``
 (:mod:`kvstore.codecs.sparse`), the 16-bit casts ``"fp16"`` and ``"bf16"``
-(:mod:`kvstore.codecs.cast16`), and the sign quantizers ``"1bit"`` and ``"efsign"``
-(:mod:`kvstore.codecs.onebit`, :mod:`kvstore.codecs.efsign`), and the stochastic quantizers
-``"terngrad"`` and ``"qsgd"`` (:mod:`kvstore.codecs.terngrad`, :mod:`kvstore.codecs.qsgd`). Get
+(:mod:`kvstore.codecs.cast16`), the stochastic quantizers ``"terngrad"`` and ``"qsgd"``
+(:mod:`kvstore.codecs.terngrad`, :mod:`kvstore.codecs.qsgd`) and the sign quantizers
+``"1bit"`` and ``"efsign"`` (:mod:`kvstore.codecs.onebit`, :mod:`kvstore.codecs.efsign`). Get
 one with :func:`get_codec` or :func:`codec_from_spec`::
 
     codec = codec_from_spec({"type": "2bit", "threshold": 0.5})
@@ -17,6 +17,7 @@ from kvstore.codecs import (  # noqa: F401  (importing a codec's module register
     efsign,
     identity,
     onebit,
+    powersgd,
     qsgd,
     randomk,
     terngrad,

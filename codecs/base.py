@@ -174,6 +174,31 @@ class Encoder(ABC):
         """
         return None
 
+    round_trips: int = 1
+    """Round trips the push just encoded takes (read after :meth:`encode`): 1 for codecs that
+    push once per step. A multi-round codec (PowerSGD) sets it per push: the caller then sends
+    each reply of the step's intermediate rounds to :meth:`next_round` and pushes what it
+    returns, and hands the final round's acknowledgement to :meth:`end_step`."""
+
+    def next_round(self, reply: Payloads) -> list[Any]:
+        """The payload of the push's next round, from the frames the server sent back for the
+        previous one (its :meth:`Aggregator.finish`). Only called while :attr:`round_trips`
+        says more rounds follow; the frames returned stay valid until :meth:`end_step`.
+
+        Raises:
+            CodecError: the reply is not what this encoder expects.
+        """
+        raise CodecError(f"{type(self).__name__} pushes once per step")
+
+    def end_step(self, reply: Payloads) -> None:
+        """End a multi-round push with the frames that acknowledged its final round
+        (:meth:`Aggregator.reply_frames`); the encoder's state is then that of the next step.
+
+        Raises:
+            CodecError: the reply is not what this encoder expects.
+        """
+        return None
+
     def quality(self, values: Any) -> PushQuality | None:
         """Measure the push just made of ``values`` (by :meth:`encode` or :meth:`borrow`), before
         the next one: the metrics' residual norm and density (:mod:`kvstore.metrics`).
@@ -256,6 +281,12 @@ class Aggregator(ABC):
         """
         return None
 
+    def reply_frames(self) -> list[Any] | None:
+        """Frames that acknowledge the pushes of a round that stored its result (asked right
+        after :meth:`finish` returned None): what a multi-round codec's workers need to end
+        their step (PowerSGD's sum of Q). None (the default): plain acknowledgements."""
+        return None
+
 
 class Codec(ABC):
     """Hyperparameters of a compression method, and the factory of its stateful parts.
@@ -268,6 +299,9 @@ class Codec(ABC):
     name: ClassVar[str]
     dtypes: ClassVar[frozenset[str]]
     param_defaults: ClassVar[dict[str, ParamValue]] = {}
+    round_trips: ClassVar[int] = 1
+    """The most round trips a push of one chunk takes per step (see
+    :attr:`Encoder.round_trips`); more than 1 needs ``dist_sync``."""
 
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.param_defaults)
@@ -333,12 +367,14 @@ class Codec(ABC):
         device: Any = None,
         *,
         worker: int = 0,
+        shape: tuple[int, ...] | None = None,
     ) -> KeyEncoder:
         """The worker-side encoder of a whole key of ``numel`` elements, split into chunks at
         ``bounds`` (each chunk's ``(start, stop)``, in order, covering ``[0, numel)``).
 
         ``worker`` is the pushing worker's rank: codecs that round stochastically key their
-        generator with it, so that the workers' rounding noise is independent.
+        generator with it, so that the workers' rounding noise is independent. ``shape`` is
+        the key's shape (None: treat it as 1-D); codecs that view a key as a matrix read it.
 
         By default every chunk gets its own :meth:`make_encoder` and nothing is done per key;
         codecs whose selection spans the key override this.
@@ -350,6 +386,22 @@ class Codec(ABC):
     @abstractmethod
     def make_aggregator(self, numel: int, dtype: str) -> Aggregator:
         """A server-side aggregator for a chunk of ``numel`` elements."""
+
+    def make_chunk_aggregator(
+        self, numel: int, dtype: str, *, shape: tuple[int, ...], start: int
+    ) -> Aggregator:
+        """The aggregator of the chunk of elements ``[start, start + numel)`` of a key of
+        ``shape`` (what the server makes). By default :meth:`make_aggregator`; codecs that
+        view a key as a matrix override it."""
+        return self.make_aggregator(numel, dtype)
+
+    def chunk_alignment(self, shape: tuple[int, ...]) -> int:
+        """Elements that a key of ``shape`` is cut into chunks on multiples of (the key's
+        end aside): 16, a 2-bit word, by default. A codec that needs whole rows in every chunk
+        asks for a multiple of the row length; where the alignment exceeds a partition the
+        client cuts the key at 16 and the codec must cope (PowerSGD sends such chunks dense).
+        """
+        return 16
 
     def check_optimizer(self, name: str, params: Mapping[str, Any]) -> None:
         """Raise CodecError if a server optimizer ``name`` with the validated hyperparameters

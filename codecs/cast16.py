@@ -327,6 +327,7 @@ class Cast16Codec(QuantizerCodec):
         device: Any = None,
         *,
         worker: int = 0,
+        shape: tuple[int, ...] | None = None,  # (ignored: every key is flat to this codec)
     ) -> KeyEncoder:
         chunks = super().make_key_encoder(key, numel, dtype, bounds, device, worker=worker).chunks
         return Cast16KeyEncoder(self, numel, chunks)  # type: ignore[arg-type]

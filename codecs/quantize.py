@@ -402,6 +402,7 @@ class QuantizerCodec(Codec):
         device: Any = None,
         *,
         worker: int = 0,
+        shape: tuple[int, ...] | None = None,  # (ignored: every key is flat to this codec)
     ) -> KeyEncoder:
         self.check_dtype(dtype)
         if numel > MAX_CHUNK:

@@ -355,6 +355,7 @@ class SparseCodec(Codec):
         device: Any = None,
         *,
         worker: int = 0,
+        shape: tuple[int, ...] | None = None,  # (ignored: every key is flat to this codec)
     ) -> SparseKeyEncoder:
         self.check_dtype(dtype)
         return SparseKeyEncoder(self, key, numel, bounds, device)

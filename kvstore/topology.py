@@ -10,6 +10,10 @@ Rules (docs/design.md, "Sharding"):
   in server-rank order, with every boundary on a multiple of 16 elements so that a 2-bit word
   (16 elements) never straddles two servers. Slice ``i`` covers words
   ``[W*i//S, W*(i+1)//S)`` of the ``W = ceil(n/16)`` words; the last slice ends at ``n``.
+  A codec may ask for a coarser *alignment* (a multiple of 16, at most a partition): PowerSGD
+  needs whole matrix rows in every chunk, ``lcm(16, row length)``. Slices and chunks then cut
+  on multiples of it instead of 16 (the key's end aside), and a slice's tail shorter than the
+  alignment joins its last chunk only while that stays within a partition.
 * Each slice is further cut into *chunks*, so that encoding, sending, server-side decoding and
   replies of one big key overlap. A chunk is the unit of server state: it has its own round,
   optimizer state and reply. Pushing chunks and returning their values is a two-stage pipeline
@@ -83,19 +87,20 @@ def server_for_key(key: Key, num_servers: int) -> int:
     return stable_key_hash(key) % num_servers
 
 
-def split_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """Cut ``[0, numel)`` into ``parts`` contiguous ranges with boundaries on multiples of 16.
+def split_bounds(numel: int, parts: int, alignment: int = WORD_ELEMS) -> list[tuple[int, int]]:
+    """Cut ``[0, numel)`` into ``parts`` contiguous ranges with boundaries on multiples of
+    ``alignment`` (16 by default).
 
-    Ranges are as equal as 16-element granularity allows; some may be empty when
-    ``numel < 16 * parts``.
+    Ranges are as equal as that granularity allows; some may be empty when
+    ``numel < alignment * parts``.
     """
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
-    words = -(-numel // WORD_ELEMS)
+    units = -(-numel // alignment)
     bounds = []
     for i in range(parts):
-        start = min(numel, WORD_ELEMS * (words * i // parts))
-        stop = min(numel, WORD_ELEMS * (words * (i + 1) // parts))
+        start = min(numel, alignment * (units * i // parts))
+        stop = min(numel, alignment * (units * (i + 1) // parts))
         bounds.append((start, stop))
     return bounds
 
@@ -172,7 +177,9 @@ def min_chunk_elems(partition_elems: int, fraction: int = MIN_CHUNK_FRACTION) ->
     return max(WORD_ELEMS, partition_elems // fraction // WORD_ELEMS * WORD_ELEMS)
 
 
-def chunk_sizes(length: int, partition_elems: int, min_elems: int = WORD_ELEMS) -> list[int]:
+def chunk_sizes(
+    length: int, partition_elems: int, min_elems: int = WORD_ELEMS, alignment: int = WORD_ELEMS
+) -> list[int]:
     """Chunk lengths of a slice of ``length`` elements.
 
     Ramps at both ends, ``p/8, p/4, p/2`` first and ``p/2, p/4, p/8`` last (leaving out the
@@ -182,39 +189,52 @@ def chunk_sizes(length: int, partition_elems: int, min_elems: int = WORD_ELEMS) 
     chunks keep short the tail after the last push arrives, when each server still has to send
     its last chunk's value to every worker. A ramp step is taken only if what it leaves is
     empty or at least ``min_elems``, so no chunk is shorter than ``min_elems`` unless the slice
-    is. Every boundary but the slice's own end is a multiple of 16 elements.
+    is. Every boundary but the slice's own end is a multiple of ``alignment`` (16 elements;
+    ``partition_elems`` must be a multiple of it). The tail past the last such boundary joins
+    the last chunk if it is shorter than 16 elements or the chunk stays within
+    ``partition_elems``; otherwise (an alignment above 16) it is a chunk of its own.
     """
-    aligned = length - length % WORD_ELEMS
+    unit = alignment
+    aligned = length - length % unit
     if aligned == 0:
         return [length]
     head: list[int] = []
     left = aligned
-    size = max(WORD_ELEMS, (partition_elems >> RAMP_STEPS) // WORD_ELEMS * WORD_ELEMS)
+    size = max(unit, (partition_elems >> RAMP_STEPS) // unit * unit)
     while size < min_elems:
         size *= 2
     while size < partition_elems and (left == 2 * size or left >= 2 * size + min_elems):
         head.append(size)
         left -= 2 * size
         size *= 2
-    words = left // WORD_ELEMS
+    units = left // unit
     parts = -(-left // partition_elems)
-    if parts > 1 and words // parts * WORD_ELEMS < min_elems:
+    if parts > 1 and units // parts * unit < min_elems:
         # Where p itself is the minimum, even pieces of at most p would fall short of it:
         # take fewer, slightly longer ones (still under 2 x min_elems, below the partition).
-        parts = max(1, words // (min_elems // WORD_ELEMS))
-    middle = [WORD_ELEMS * (words * (i + 1) // parts - words * i // parts) for i in range(parts)]
+        parts = max(1, units // max(1, -(-min_elems // unit)))
+    middle = [unit * (units * (i + 1) // parts - units * i // parts) for i in range(parts)]
     sizes = head + middle + head[::-1]
-    sizes[-1] += length - aligned
+    tail = length - aligned
+    if tail < WORD_ELEMS or sizes[-1] + tail <= partition_elems:
+        sizes[-1] += tail
+    else:
+        sizes.append(tail)
     return sizes
 
 
 def slice_chunking(
-    length: int, partition_elems: int, wire_fraction: float = 1.0, key_elems: int | None = None
+    length: int,
+    partition_elems: int,
+    wire_fraction: float = 1.0,
+    key_elems: int | None = None,
+    alignment: int = WORD_ELEMS,
 ) -> tuple[int, int]:
     """The full and the shortest chunk length for a slice of ``length`` elements.
 
     The full length is ``length / SLICE_PARTS`` (``/ LONG_SLICE_PARTS`` for a long slice)
-    within ``[shortest, partition_elems]``, a multiple of 16; the shortest is
+    within ``[shortest, partition_elems]``, a multiple of ``alignment`` (16; at most
+    ``partition_elems``: rounded down where rounding up would pass it); the shortest is
     :func:`min_chunk_elems` of the partition (``LONG_MIN_CHUNK_FRACTION`` of it for a long
     slice). A slice is long when the pushes of its whole key (``key_elems``, by default the
     slice itself) put at least :data:`LONG_SLICE_PARTITIONS` partitions of bytes on the
@@ -250,7 +270,10 @@ def slice_chunking(
         parts, shortest = SLICE_PARTS, min_chunk_elems(partition_elems)
     wanted = -(-length // parts)
     size = min(partition_elems, max(shortest, wanted))
-    return max(WORD_ELEMS, -(-size // WORD_ELEMS) * WORD_ELEMS), shortest
+    rounded = -(-size // alignment) * alignment
+    if rounded > partition_elems:
+        rounded = partition_elems // alignment * alignment
+    return max(alignment, rounded), shortest
 
 
 def partition_elems_for(partition_bytes: int, itemsize: int) -> int:
@@ -291,6 +314,7 @@ def plan_chunks(
     bigarray_bound: int,
     partition_elems: int,
     wire_fraction: float = 1.0,
+    alignment: int = WORD_ELEMS,
 ) -> tuple[Chunk, ...]:
     """All chunks of a key, in element order.
 
@@ -303,6 +327,9 @@ def plan_chunks(
         wire_fraction: bytes a push puts on the network per byte of the value (the key's
             codec's :meth:`~kvstore.codecs.Codec.pushed_fraction`, 0 where every server is on
             the worker's host); decides which slices are long (:func:`slice_chunking`).
+        alignment: every chunk boundary but the key's end is a multiple of this (a multiple
+            of 16, at most ``partition_elems``; the codec's
+            :meth:`~kvstore.codecs.Codec.chunk_alignment`).
 
     Returns:
         Chunks covering ``[0, numel)`` without gaps; a key of 0 elements has one empty chunk.
@@ -313,8 +340,14 @@ def plan_chunks(
         raise ValueError(
             f"partition_elems must be a positive multiple of 16, got {partition_elems}"
         )
+    if alignment < WORD_ELEMS or alignment % WORD_ELEMS or alignment > partition_elems:
+        raise ValueError(
+            f"alignment must be a positive multiple of 16 of at most partition_elems "
+            f"({partition_elems}), got {alignment}"
+        )
     if numel >= bigarray_bound and num_servers > 1:
-        slices = [(s, lo, hi) for s, (lo, hi) in enumerate(split_bounds(numel, num_servers))]
+        bounds = split_bounds(numel, num_servers, alignment)
+        slices = [(s, lo, hi) for s, (lo, hi) in enumerate(bounds)]
     else:
         slices = [(server_for_key(key, num_servers), 0, numel)]
     chunks: list[Chunk] = []
@@ -322,8 +355,10 @@ def plan_chunks(
         if hi == lo and numel > 0:
             continue  # a server with nothing of this key
         start = lo
-        partition, shortest = slice_chunking(hi - lo, partition_elems, wire_fraction, numel)
-        for size in chunk_sizes(hi - lo, partition, shortest):
+        partition, shortest = slice_chunking(
+            hi - lo, partition_elems, wire_fraction, numel, alignment
+        )
+        for size in chunk_sizes(hi - lo, partition, shortest, alignment):
             chunks.append(Chunk(len(chunks), server, start, start + size))
             start += size
     return tuple(chunks)

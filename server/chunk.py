@@ -129,7 +129,10 @@ class ChunkState:
     @property
     def aggregator(self) -> Aggregator:
         if self._aggregator is None:
-            self._aggregator = self.codec.make_aggregator(self.spec.numel, self.spec.dtype)
+            spec = self.spec
+            self._aggregator = self.codec.make_chunk_aggregator(
+                spec.numel, spec.dtype, shape=spec.shape, start=spec.start
+            )
         return self._aggregator
 
     def set_initial_value(self, values: np.ndarray) -> None:

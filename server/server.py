@@ -1000,11 +1000,12 @@ class ShardServer:
         summed, started = chunk.round_payloads, chunk.round_started
         chunk.round_ranks, chunk.round_replies, chunk.round_payloads = set(), [], []
         chunk.round_error, chunk.accumulated = None, 0
-        intermediate = None
+        intermediate = acknowledgement = None
         if error is None:
             try:
                 intermediate = await self._run(chunk, chunk.aggregator.finish)
                 if intermediate is None:
+                    acknowledgement = _copied(chunk.aggregator.reply_frames())
                     await self._apply(chunk, chunk.aggregator.result)
                     # Without an optimizer the new value is exactly the sum of these pushes
                     # (summed stays empty for codecs that cannot relay).
@@ -1016,10 +1017,8 @@ class ShardServer:
                         and relay_fits(summed, chunk.spec.numel, chunk.spec.dtype)
                     )
                     chunk.relay = summed if relayable else None
-                else:  # copied: the aggregator reuses its buffers in the next round
-                    intermediate = [
-                        bytes(memoryview(getattr(f, "buffer", f))) for f in intermediate
-                    ]
+                else:
+                    intermediate = _copied(intermediate)
             except Exception as exc:
                 error = exc
         if error is None and intermediate is not None:
@@ -1028,7 +1027,7 @@ class ShardServer:
                     self._send(reply.identity, wire.reply(reply.rid, None, intermediate), reply.op)
             self._release_pulls(chunk)
         else:
-            self._pushes_done(chunk, replies, error)
+            self._pushes_done(chunk, replies, error, acknowledgement)
         if self._metrics is not None:
             # (``started`` was read above: a push admitted while this awaited the pool began
             # the next round and its clock.)
@@ -1081,13 +1080,25 @@ class ShardServer:
         chunk.value.publish(out)
 
     def _finish_push(
-        self, chunk: ChunkState, reply: PendingReply, error: BaseException | None
+        self,
+        chunk: ChunkState,
+        reply: PendingReply,
+        error: BaseException | None,
+        acknowledgement: list[bytes] | None = None,
     ) -> None:
+        if error is None and acknowledgement is not None and not reply.want_value:
+            self._send(reply.identity, wire.reply(reply.rid, None, acknowledgement), reply.op)
+            return
         if error is None:
             self._answer(reply, chunk)
             return
-        code = error.code if isinstance(error, RequestError) else ErrorCode.INTERNAL
-        if not isinstance(error, RequestError):
+        if isinstance(error, RequestError):
+            code = error.code
+        elif isinstance(error, CodecError):  # a push its codec refused (sizes, NaN factors)
+            code = ErrorCode.CODEC
+            logger.warning("a push of %s was refused: %s", chunk.spec.name, error)
+        else:
+            code = ErrorCode.INTERNAL
             logger.error("update of %s failed: %r", chunk.spec.name, error)
         self._send_error(reply.identity, reply.rid, reply.op, code, f"{chunk.spec.name}: {error}")
 
@@ -1119,17 +1130,29 @@ class ShardServer:
         return True
 
     def _pushes_done(
-        self, chunk: ChunkState, replies: list[PendingReply], error: BaseException | None
+        self,
+        chunk: ChunkState,
+        replies: list[PendingReply],
+        error: BaseException | None,
+        acknowledgement: list[bytes] | None = None,
     ) -> None:
         """Answer finished pushes and release the pulls that were waiting for them.
 
         A successful plain push whose worker has a pull waiting that this push completes gets
         no ack of its own: the pull's value reply lists it in ``ak`` (one message less per
-        chunk and step). Errors always get their own reply.
+        chunk and step). Errors always get their own reply, and so do the pushes of a round
+        whose acknowledgement carries frames (``acknowledgement``: a multi-round codec's
+        :meth:`~kvstore.codecs.base.Aggregator.reply_frames`, which a pushpull's value
+        reply does not carry).
         """
         sessions = self._job.sessions
         for reply in [reply for reply in replies if self._push_applied(chunk, reply)]:
-            if error is None and not reply.want_value and reply.identity in sessions:
+            if (
+                error is None
+                and acknowledgement is None
+                and not reply.want_value
+                and reply.identity in sessions
+            ):
                 waiter = next(
                     (
                         w
@@ -1141,7 +1164,7 @@ class ShardServer:
                 if waiter is not None:
                     waiter.acks.append(reply.rid)
                     continue
-            self._finish_push(chunk, reply, error)
+            self._finish_push(chunk, reply, error, acknowledgement)
         self._release_pulls(chunk)
 
     def _release_pulls(self, chunk: ChunkState) -> None:
@@ -1346,6 +1369,14 @@ class ShardServer:
         if staged.optimizer is not None:
             job.optimizer = staged.optimizer
         logger.info("loaded %d chunk(s) from %s", len(chunks), staged.path)
+
+
+def _copied(frames: list[Any] | None) -> list[bytes] | None:
+    """Reply frames of an aggregator as bytes of their own (it reuses its buffers in the next
+    round, while the replies may still be queued)."""
+    if frames is None:
+        return None
+    return [bytes(memoryview(getattr(f, "buffer", f))) for f in frames]
 
 
 @contextlib.asynccontextmanager

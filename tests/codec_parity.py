@@ -22,12 +22,13 @@ SPECS: dict[str, dict[str, Any]] = {
     "topk": {"type": "topk", "ratio": 0.01},
     "randomk": {"type": "randomk", "ratio": 0.02, "seed": 3},
     "dgc": {"type": "dgc", "ratio": 0.01, "warmup_steps": 4},
-    "fp16": {"type": "fp16"},
-    "bf16": {"type": "bf16", "error_feedback": True},
     "1bit": {"type": "1bit"},
     "efsign": {"type": "efsign"},
     "terngrad": {"type": "terngrad", "seed": 7},
     "qsgd": {"type": "qsgd", "seed": 7},
+    "fp16": {"type": "fp16"},
+    "bf16": {"type": "bf16", "error_feedback": True},
+    "powersgd": {"type": "powersgd", "rank": 2, "warmup_steps": 1, "seed": 3},
 }
 """A spec of every registered codec (a new codec adds its line; a test checks they match)."""
 
@@ -35,11 +36,11 @@ EXTRA_SPECS = [
     {"type": "2bit", "threshold": 0.25, "residual_clip": 1},
     {"type": "topk", "ratio": 0.05, "sample": 0},
     {"type": "dgc", "ratio": 0.02, "nesterov": True, "clip_norm": 30.0},
-    {"type": "fp16", "error_feedback": True},
-    {"type": "bf16"},
     {"type": "terngrad", "clip": 0},
     {"type": "qsgd", "levels": 1, "bucket": 100},
     {"type": "qsgd", "levels": 127, "bucket": 5000, "seed": 2},
+    {"type": "fp16", "error_feedback": True},
+    {"type": "bf16"},
 ]
 """Variants worth their own run."""
 
@@ -48,7 +49,12 @@ LENGTHS_AND_BOUNDS = [
     (17, [(0, 17)]),
     (4099, [(0, 1000), (1000, 4099)]),
     (65_537, [(0, 16_384), (16_384, 32_768), (32_768, 65_537)]),
+    (3072, [(0, 1536), (1536, 3072)]),
 ]
+
+SHAPES = {3072: (48, 64)}
+"""The key's shape for a length (1-D otherwise): a matrix, cut into chunks of whole rows, for
+codecs that view keys as matrices (PowerSGD)."""
 
 Encode = Callable[[Any, list[np.ndarray]], list[tuple[list[bytes], dict[str, np.ndarray]]]]
 
@@ -70,14 +76,23 @@ def run_pushes(
     previous = os.environ.get("KVSTORE_CPU_KERNELS")
     os.environ["KVSTORE_CPU_KERNELS"] = kernels
     try:
-        encoder = codec_from_spec(spec).make_key_encoder("w", numel, "float32", bounds, device)
+        codec = codec_from_spec(spec)
+        shape = SHAPES.get(numel, (numel,))
+        encoder = codec.make_key_encoder("w", numel, "float32", bounds, device, shape=shape)
+        servers = [  # one-worker servers for the later rounds of multi-round codecs
+            codec.make_chunk_aggregator(stop - start, "float32", shape=shape, start=start)
+            for start, stop in (bounds if codec.round_trips > 1 else [])
+        ]
         results = []
         for grad in grads:
             values = to_device(grad)
             encoder.begin(values, finite=True)
             pushes = []
-            for chunk, (start, stop) in zip(encoder.chunks, bounds, strict=True):
+            for index, (start, stop) in enumerate(bounds):
+                chunk = encoder.chunks[index]
                 frames = [host_bytes(f) for f in chunk.encode(values[start:stop])]
+                if chunk.round_trips > 1:
+                    frames += play_rounds(chunk, servers[index], frames)
                 state = chunk.state()
                 pushes.append(
                     (*frames, *(np.ascontiguousarray(state[k]).tobytes() for k in sorted(state)))
@@ -89,6 +104,21 @@ def run_pushes(
             del os.environ["KVSTORE_CPU_KERNELS"]
         else:
             os.environ["KVSTORE_CPU_KERNELS"] = previous
+
+
+def play_rounds(encoder: Any, aggregator: Any, frames: list[bytes]) -> list[bytes]:
+    """The rest of a multi-round push whose first round sent ``frames``, against
+    ``aggregator`` as a one-worker server; returns the later rounds' payload bytes."""
+    sent: list[bytes] = []
+    for _ in range(encoder.round_trips - 1):
+        aggregator.add(frames, True)
+        reply = [host_bytes(f) for f in aggregator.finish()]
+        frames = [host_bytes(f) for f in encoder.next_round(reply)]
+        sent += frames
+    aggregator.add(frames, True)
+    assert aggregator.finish() is None
+    encoder.end_step([host_bytes(f) for f in aggregator.reply_frames() or []])
+    return sent
 
 
 def gradients(numel: int, steps: int, seed: int) -> list[np.ndarray]:

@@ -15,6 +15,11 @@ the round's result even though pulls travel on a connection of their own. Errors
 push are raised by the next call that waits on it: a later push or pull of the same key,
 ``barrier`` or ``close``.
 
+Codecs with several round trips per step (PowerSGD: push P, get the servers' P_hat, push Q, get
+Q_sum) use the same machinery: a chunk's push is a chain of plain pushes (:class:`_RoundTrips`)
+that the client tracks as one request, and each round counts as one of the chunk's pushes, so a
+pull waits, on its server, for the step's last round.
+
 With ``KVSTORE_METRICS_PORT`` (``options.metrics``) the store serves Prometheus metrics
 (:mod:`kvstore.metrics`) until it closes: the transport counts the traffic, and on one push of a
 key in ``KVSTORE_METRICS_EVERY`` the encoders measure the key's residual norm and the density
@@ -62,7 +67,14 @@ from kvstore.errors import (
 )
 from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
-from kvstore.topology import Chunk, Key, interleaved_order, partition_elems_for, plan_chunks
+from kvstore.topology import (
+    WORD_ELEMS,
+    Chunk,
+    Key,
+    interleaved_order,
+    partition_elems_for,
+    plan_chunks,
+)
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Op, buffer_nbytes
 from kvstore.worker import checkpointing as ckpt
 from kvstore.worker import values as vals
@@ -258,6 +270,96 @@ class _EncodeClock:
         self._stats.d2h_seconds += d2h
         self._stats.encode_seconds += now - self._began - d2h
         self._began, self._copies = now, xp.TRANSFERS.d2h_seconds
+
+
+class _RoundTrips:
+    """One chunk's push of a codec that takes several round trips per step, as one request.
+
+    The client keeps each chunk's last push as a request (later pushes, pulls, ``barrier``
+    and ``close`` wait on it), so the step is a :class:`Request` of its own, :attr:`step`,
+    that is never sent: it completes with the final round's reply, or fails with the first
+    failing round's error. Every round is a plain PUSH. Its reply arrives on the transport's
+    I/O thread, which runs the encoder there: an intermediate round's frames become the next
+    round's payload (:meth:`Encoder.next_round`), submitted from the same thread; the final
+    round's acknowledgement ends the encoder's step (:meth:`Encoder.end_step`). The chunk is
+    encoded again only after :attr:`step` completed, so the encoder is never used by two
+    threads at once.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        stats: TrafficStats,
+        encoder: Encoder,
+        server: int,
+        fields: dict[str, Any],
+        priority: int,
+        order_key: Any,
+        what: str,
+    ) -> None:
+        self._transport = transport
+        self._stats = stats
+        self._encoder = encoder
+        self._server = server
+        self._fields = fields
+        self._priority = priority
+        self._order_key = order_key
+        self._what = what
+        self._rounds = encoder.round_trips
+        self._round = 0
+        self.step: Request = Request(0, server, Op.PUSH, what, 0)
+
+    def start(self, payloads: list[Any]) -> Request:
+        """Send the first round's ``payloads``; returns :attr:`step`."""
+        first = self._submit(payloads)
+        if first is not None:
+            self.step.nbytes = first.nbytes
+        return self.step
+
+    def _submit(self, payloads: list[Any]) -> Request | None:
+        self._round += 1
+        try:
+            return self._transport.submit(
+                self._server,
+                Op.PUSH,
+                self._fields,
+                payloads,
+                priority=self._priority,
+                order_key=self._order_key,
+                what=f"{self._what} (round {self._round} of {self._rounds})",
+                on_done=self._on_reply,
+            )
+        except KVStoreError as exc:  # the store closed under us
+            self.step._complete(None, exc)
+            return None
+
+    def _on_reply(self, request: Request) -> None:
+        if request._error is not None:
+            self.step._complete(None, request._error)
+            return
+        reply = request._reply
+        assert reply is not None
+        began = time.perf_counter()
+        try:
+            if self._round < self._rounds:
+                payloads = self._encoder.next_round(reply.payloads)
+            else:
+                self._encoder.end_step(reply.payloads)
+        except Exception as exc:  # (a CodecError: a reply this encoder cannot use)
+            self.step._complete(
+                None, ProtocolError(f"{self._what}: the reply to round {self._round}: {exc}")
+            )
+            return
+        finally:
+            self._stats.encode_seconds += time.perf_counter() - began
+            request.release_payloads()
+        if self._round == self._rounds:
+            self.step._complete(reply, None)
+            return
+        sent = self._submit(payloads)
+        if sent is not None:
+            self._stats.pushed_bytes += sent.nbytes
+            self._stats.push_messages += 1
 
 
 def servers_on_this_host(addresses: Sequence[str]) -> bool:
@@ -521,8 +623,9 @@ class KVStore:
 
         Raises:
             UsageError: a key was already initialised (the codec is fixed at init).
-            CodecError: unknown codec type or bad parameters, or a codec the optimizer already
-                set cannot work with (DGC and momentum).
+            CodecError: unknown codec type or bad parameters, a codec the optimizer already
+                set cannot work with (DGC and momentum), or a codec with several round trips
+                per step (PowerSGD) in ``dist_async``.
         """
         self._check_open()
         with self._api_lock:
@@ -533,9 +636,18 @@ class KVStore:
                     f"initialised: {some}"
                 )
             codec = codec_from_spec(compression_params)
+            self._check_round_trips(codec)
             if self._optimizer is not None:  # e.g. DGC after an optimizer with momentum
                 codec.check_optimizer(self._optimizer.name, self._optimizer.params)
             self._codec = codec
+
+    def _check_round_trips(self, codec: Codec) -> None:
+        """Refuse a codec with several round trips per step in ``dist_async``."""
+        if codec.round_trips > 1 and self.type == "dist_async":
+            raise CodecError(
+                f"codec {codec.name!r} needs {codec.round_trips} round trips per step, which "
+                f"only dist_sync provides (dist_async applies each push on arrival)"
+            )
 
     def set_optimizer(self, name: str, **hyperparameters: Any) -> None:
         """Run an optimizer on the servers; pulls then return updated weights.
@@ -576,7 +688,7 @@ class KVStore:
 
     # init ----------------------------------------------------------------------------------------
 
-    def init(self, key: KeyArg, value: Any) -> None:
+    def init(self, key: KeyArg, value: Any, *, compression: dict[str, Any] | None = None) -> None:
         """Initialise keys; collective (every worker calls it), rank 0's values win.
 
         Returns once every server stored rank 0's value, so no pull can see an uninitialised
@@ -585,15 +697,25 @@ class KVStore:
         Args:
             key: an int or str key, or a list of them.
             value: an array/tensor per key (a list for a list of keys).
+            compression: the codec of these keys (a spec as for
+                :meth:`set_gradient_compression`) instead of the store's, e.g.
+                ``{"type": "none"}`` for values that must travel exactly; None: the store's.
 
         Raises:
             DuplicateInitError: a key was already initialised.
-            CodecError: the value's dtype does not suit the compression.
+            CodecError: the value's dtype does not suit the compression, or ``compression``
+                is not a valid spec or cannot work with the optimizer already set.
             ValueMismatchError: another worker declared a different shape, dtype or codec.
         """
         self._check_open()
         pairs = _pairs(key, value, "value")
         with self._api_lock:
+            codec = self._codec
+            if compression is not None:
+                codec = codec_from_spec(compression)
+                self._check_round_trips(codec)
+                if self._optimizer is not None:  # e.g. DGC under server momentum
+                    codec.check_optimizer(self._optimizer.name, self._optimizer.params)
             states = []
             for k, v in pairs:
                 if k in self._keys:
@@ -601,21 +723,26 @@ class KVStore:
                         f"key {k!r} is already initialised; call kv.init once per key"
                     )
                 info = vals.describe(v)
-                self._codec.check_dtype(info.dtype, f"key {k!r}")
+                codec.check_dtype(info.dtype, f"key {k!r}")
                 itemsize = np.dtype(info.dtype).itemsize
+                partition = partition_elems_for(self._options.partition_bytes, itemsize)
+                alignment = codec.chunk_alignment(info.shape)
+                if alignment > partition:  # (rows longer than a partition: the codec copes)
+                    alignment = WORD_ELEMS
                 chunks = plan_chunks(
                     k,
                     info.numel,
                     self.num_servers,
                     bigarray_bound=self._options.bigarray_bound,
-                    partition_elems=partition_elems_for(self._options.partition_bytes, itemsize),
+                    partition_elems=partition,
                     wire_fraction=(
                         0.0
                         if self._servers_on_this_host
-                        else self._codec.pushed_fraction(info.numel, info.dtype)
+                        else codec.pushed_fraction(info.numel, info.dtype)
                     ),
+                    alignment=alignment,
                 )
-                states.append((_KeyState(k, info.shape, info.dtype, self._codec, chunks), v))
+                states.append((_KeyState(k, info.shape, info.dtype, codec, chunks), v))
             requests = []
             for state, v in states:
                 source = vals.host_copy(vals.flat_source(v)) if self.rank == 0 else None
@@ -718,6 +845,7 @@ class KVStore:
                 [(chunk.start, chunk.stop) for chunk in state.chunks],
                 device,
                 worker=self.rank,
+                shape=state.shape,
             )
             for encoder in key_encoder.chunks:  # named in the encoders' warnings
                 encoder.label = state.describe()
@@ -786,22 +914,31 @@ class KVStore:
                 if measured is not None:
                     measured.append(encoder.quality(values))
                 fields = {"k": state.key, "c": chunk.index, "n": chunk.numel}
-                if op is Op.PUSHPULL:
-                    fields.update(state.relay_offer(chunk))
-                request = self._transport.submit(
-                    chunk.server,
-                    op,
-                    fields,
-                    payloads,
-                    priority=priority,
-                    order_key=(state.key, chunk.index),
-                    what=f"{op.name} of key {state.key!r} chunk {chunk.index}",
-                    on_done=landing.callback(chunk) if landing is not None else None,
-                )
+                what = f"{op.name} of key {state.key!r} chunk {chunk.index}"
+                rounds = encoder.round_trips
+                if rounds > 1:  # (PUSH only: see pushpull and _prefetch_values)
+                    assert op is Op.PUSH and landing is None
+                    request = _RoundTrips(
+                        self._transport, self._stats, encoder, chunk.server, fields,
+                        priority, (state.key, chunk.index), what,
+                    ).start(payloads)  # fmt: skip
+                else:
+                    if op is Op.PUSHPULL:
+                        fields.update(state.relay_offer(chunk))
+                    request = self._transport.submit(
+                        chunk.server,
+                        op,
+                        fields,
+                        payloads,
+                        priority=priority,
+                        order_key=(state.key, chunk.index),
+                        what=what,
+                        on_done=landing.callback(chunk) if landing is not None else None,
+                    )
                 if request.failed():  # refused before sending (the server is gone)
                     request.wait()
                 state.last_push[chunk.index] = request
-                state.pushes_sent[chunk.index] += 1
+                state.pushes_sent[chunk.index] += rounds
                 requests[chunk.index] = request
                 self._stats.pushed_bytes += request.nbytes
                 self._stats.pushed_raw_bytes += chunk.numel * np.dtype(state.dtype).itemsize
@@ -873,7 +1010,9 @@ class KVStore:
     def _prefetch_values(self, state: _KeyState) -> bool:
         """Whether the push about to be sent for ``state`` should ask for the round's values."""
         self._forget_unpulled_values(state)
-        return self.type != "dist_async" and state.pulled_after_push
+        # (a multi-round push's last reply carries the codec's factors, not the value)
+        multi_round = state.codec.round_trips > 1
+        return self.type != "dist_async" and state.pulled_after_push and not multi_round
 
     @staticmethod
     def _forget_unpulled_values(state: _KeyState) -> None:
@@ -896,6 +1035,10 @@ class KVStore:
                 if callback is not None:  # (None: the caller lands GPU targets itself)
                     request.add_done_callback(callback)
             return prefetched
+        return self._submit_pulls(state, landing, priority)
+
+    def _submit_pulls(self, state: _KeyState, landing: _Landing, priority: int) -> list[Request]:
+        """A pull of every chunk of ``state``, following every push sent so far."""
         return [
             self._transport.submit(
                 chunk.server,
@@ -961,9 +1104,15 @@ class KVStore:
             self._forget_unpulled_values(state)  # a pushpull is a push, and its own pull
             state.pushed_since_pull = False
             landing = _Landing(state, o, self._stats)
-            requests = self._send_pushes(
-                state, v, Op.PUSHPULL, priority, landing, borrow, deadline=deadline
-            )
+            if state.codec.round_trips > 1:
+                # The last round's reply carries the codec's factors, not the value: push,
+                # then pull (answered once the push's last round is applied).
+                self._send_pushes(state, v, Op.PUSH, priority, borrow=borrow, deadline=deadline)
+                requests = self._submit_pulls(state, landing, priority)
+            else:
+                requests = self._send_pushes(
+                    state, v, Op.PUSHPULL, priority, landing, borrow, deadline=deadline
+                )
             pending.append((landing, requests))
         self._receive_values(pending, deadline)
 
