@@ -53,7 +53,10 @@ def create(
 
     ``dist_sync`` and ``dist_async`` read the worker's place in the job from ``KVSTORE_SERVERS``,
     ``KVSTORE_RANK`` and ``KVSTORE_NUM_WORKERS`` (set by ``kvstore-launch``); the keyword
-    arguments override them. ``local`` needs no environment: it starts an in-process server.
+    arguments override them. Under ``torchrun``, its ``RANK`` and ``WORLD_SIZE`` stand in for
+    ``KVSTORE_RANK`` and ``KVSTORE_NUM_WORKERS`` where those are not set (the ``KVSTORE_`` ones
+    win), so only ``KVSTORE_SERVERS`` is needed. ``local`` needs no environment: it starts an
+    in-process server.
 
     It also routes the ``kvstore`` loggers (role ``worker R``), keeping an application's own
     logging setup: see :func:`kvstore._logging.configure_worker` for the rule and
@@ -62,8 +65,8 @@ def create(
     Args:
         name: ``"dist_sync"``, ``"dist_async"`` or ``"local"``.
         servers: server addresses in rank order (overrides ``KVSTORE_SERVERS``).
-        rank: this worker's rank (overrides ``KVSTORE_RANK``).
-        num_workers: N (overrides ``KVSTORE_NUM_WORKERS``).
+        rank: this worker's rank (overrides ``KVSTORE_RANK`` and ``RANK``).
+        num_workers: N (overrides ``KVSTORE_NUM_WORKERS`` and ``WORLD_SIZE``).
         timeout: longest wait of a blocking call, seconds (overrides ``KVSTORE_TIMEOUT``).
         connect_timeout: longest wait for the servers' handshake (``KVSTORE_CONNECT_TIMEOUT``).
         bigarray_bound: split keys of at least this many elements (``KVSTORE_BIGARRAY_BOUND``).

@@ -2,9 +2,10 @@
 
 This module is the single source of the environment variables. :data:`ENV_VARS` lists each with
 its type, default, the role that reads it and its meaning; the tables of README.md and
-docs/operations.md are checked against it by a test. Nothing reads the environment at import
-time: configs are built once per process with ``from_env()``, and explicit arguments take
-precedence over the environment.
+docs/operations.md are checked against it by a test. :data:`TORCHRUN_ENV_VARS` lists the
+variables of PyTorch's launcher that stand in for missing job variables. Nothing reads the
+environment at import time: configs are built once per process with ``from_env()``, and
+explicit arguments take precedence over the environment.
 
 A missing or malformed variable raises :class:`~kvstore.errors.ConfigError` naming the variable,
 the bad value, and pointing at ``kvstore-launch``, which sets the job variables for you.
@@ -272,6 +273,30 @@ ENV_VARS: tuple[EnvVar, ...] = (
 
 ENV_VAR_NAMES = frozenset(v.name for v in ENV_VARS)
 
+TORCHRUN_ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(
+        "RANK",
+        "int",
+        "(set by torchrun)",
+        "worker",
+        "torchrun's global rank: this worker's rank where `KVSTORE_RANK` is not set.",
+    ),
+    EnvVar(
+        "WORLD_SIZE",
+        "int",
+        "(set by torchrun)",
+        "worker",
+        "torchrun's world size: N where `KVSTORE_NUM_WORKERS` is not set.",
+    ),
+)
+"""Variables that ``torchrun`` (and other PyTorch launchers) set and that a worker reads in place
+of a missing ``KVSTORE_*`` job variable (:data:`TORCHRUN_FALLBACKS`); the ``KVSTORE_*`` one wins
+where both are set. They are not ours, so they are listed apart from :data:`ENV_VARS`;
+docs/operations.md and docs/torch.md document them."""
+
+TORCHRUN_FALLBACKS: dict[str, str] = {"KVSTORE_RANK": "RANK", "KVSTORE_NUM_WORKERS": "WORLD_SIZE"}
+"""For each job variable a launcher of PyTorch can stand in for, the variable it sets."""
+
 DEFAULT_BIGARRAY_BOUND = 1_000_000
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 """Default ``KVSTORE_PARTITION_BYTES``. Each chunk costs CPU on the worker and the server
@@ -397,24 +422,35 @@ class ClusterConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClusterConfig:
-        """Read ``KVSTORE_SERVERS``, ``KVSTORE_RANK`` and ``KVSTORE_NUM_WORKERS``."""
+        """Read ``KVSTORE_SERVERS``, ``KVSTORE_RANK`` and ``KVSTORE_NUM_WORKERS``; where one of
+        the last two is not set, torchrun's ``RANK`` / ``WORLD_SIZE`` stand in for it
+        (:data:`TORCHRUN_FALLBACKS`)."""
         env = os.environ if env is None else env
         servers = parse_server_list(
             "KVSTORE_SERVERS", _require(env, "KVSTORE_SERVERS", "the server addresses")
         )
-        rank = parse_int(
-            "KVSTORE_RANK", _require(env, "KVSTORE_RANK", "this worker's rank"), minimum=0
-        )
-        num_workers = parse_int(
-            "KVSTORE_NUM_WORKERS",
-            _require(env, "KVSTORE_NUM_WORKERS", "the number of workers"),
-            minimum=1,
-        )
+        rank_var, raw_rank = _job_variable(env, "KVSTORE_RANK", "this worker's rank")
+        rank = parse_int(rank_var, raw_rank, minimum=0)
+        size_var, raw_size = _job_variable(env, "KVSTORE_NUM_WORKERS", "the number of workers")
+        num_workers = parse_int(size_var, raw_size, minimum=1)
         if rank >= num_workers:
-            raise ConfigError(
-                f"KVSTORE_RANK={rank} is out of range for KVSTORE_NUM_WORKERS={num_workers}"
-            )
+            raise ConfigError(f"{rank_var}={rank} is out of range for {size_var}={num_workers}")
         return cls(servers=servers, rank=rank, num_workers=num_workers)
+
+
+def _job_variable(env: Mapping[str, str], name: str, what: str) -> tuple[str, str]:
+    """The name and value of job variable ``name``, or of the torchrun variable standing in for
+    it when it is not set (``KVSTORE_RANK`` -> ``RANK``)."""
+    value = _get(env, name)
+    if value is not None:
+        return name, value
+    fallback = TORCHRUN_FALLBACKS[name]
+    value = _get(env, fallback)
+    if value is not None:
+        return fallback, value
+    raise ConfigError(
+        f"{name} is not set (nor torchrun's {fallback}): it must hold {what}; {LAUNCH_HINT}"
+    )
 
 
 def parse_host(name: str, raw: str) -> str:

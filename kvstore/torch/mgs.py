@@ -38,20 +38,23 @@ order:
 * :func:`fixed_buckets` -- close a bucket once it holds at least ``bucket_bytes``;
 * :func:`greedy_merge` -- the paper's greedy decision (see its docstring);
 * :func:`plan_buckets` -- the greedy plan, unless :func:`simulate` finds no merging or a single
-  bucket strictly faster (the greedy rule is local and can lose to either); this is what
-  ``bucket_plan="mgs"`` uses.
+  bucket strictly faster (the greedy rule is local and can lose to either);
+* :func:`plan_parameters` -- :func:`plan_buckets` for a model's tensors with a stated cost model
+  (:class:`ParameterCosts`): what ``bucket_plan="mgs"`` uses; :func:`planner` plans with
+  measured costs instead.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "CommCost",
     "Layer",
+    "ParameterCosts",
     "SparsifyCost",
     "Timeline",
     "fit_affine",
@@ -61,6 +64,8 @@ __all__ = [
     "no_buckets",
     "one_bucket",
     "plan_buckets",
+    "plan_parameters",
+    "planner",
     "simulate",
     "timeline",
 ]
@@ -420,3 +425,53 @@ def plan_buckets(layers: Sequence[Layer], comm: CommCost, sparsify: SparsifyCost
         if seconds < best_seconds * (1 - TIE_TOLERANCE):
             best, best_seconds = other, seconds
     return best
+
+
+# planning a model's parameters ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParameterCosts:
+    """The cost model that plans a model's parameters (``bucket_plan="mgs"``).
+
+    The defaults are stated constants, not measurements of the running job, so that every rank
+    plans the same buckets (the keys must agree across workers): a 1 Gbit/s link with 0.52 ms
+    per message (0.42 ms of per-chunk CPU on worker and server, measured with
+    ``benchmarks/bench_chunk_cost.py``, plus a 0.1 ms round trip) carrying dense float32 pulls;
+    the numba ``topk`` encode fitted on the 2-core development machine (13.5 us + 0.45 ns per
+    element, ``benchmarks/mgs_plan.py``); and back-propagation at 2.35 ns per element (ResNet-50's
+    60 ms over its 25.6M parameters). Give measured ones with :func:`planner`.
+
+    Attributes:
+        comm: the message cost.
+        sparsify: the encode cost.
+        backward_seconds_per_element: a parameter's backward time per element.
+    """
+
+    comm: CommCost = CommCost.for_link(1e9, 0.52e-3)
+    sparsify: SparsifyCost = SparsifyCost(13.5e-6, 0.45e-9)
+    backward_seconds_per_element: float = 2.35e-9
+
+    def __post_init__(self) -> None:
+        _check_seconds("backward_seconds_per_element", self.backward_seconds_per_element)
+
+
+def plan_parameters(params: Sequence[object], costs: ParameterCosts | None = None) -> Groups:
+    """:func:`plan_buckets` for tensors in backward order (anything with ``numel()``), each a
+    layer whose backward time is proportional to its elements; the planner protocol of
+    ``kvstore.torch.DistributedOptimizer``'s ``bucket_plan``."""
+    costs = ParameterCosts() if costs is None else costs
+    numels = [int(p.numel()) for p in params]  # type: ignore[attr-defined]
+    per_element = costs.backward_seconds_per_element
+    layers = layers_from(numels, [n * per_element for n in numels])
+    return plan_buckets(layers, costs.comm, costs.sparsify)
+
+
+def planner(costs: ParameterCosts) -> Callable[[Sequence[object]], Groups]:
+    """A ``bucket_plan`` that plans with ``costs`` (e.g. fitted with :meth:`CommCost.fit` and
+    :meth:`SparsifyCost.fit` from measurements; use the same on every rank)."""
+
+    def plan(params: Sequence[object]) -> Groups:
+        return plan_parameters(params, costs)
+
+    return plan
