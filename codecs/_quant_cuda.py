@@ -66,17 +66,5 @@ __device__ __forceinline__ void quant_store_group(unsigned char* out, long long 
         if (base + b < nbytes) out[base + b] = (unsigned char)(word >> (8 * b));
     }
 }
-
-/* The word of group g of a packed stream (zero past its end). */
-__device__ __forceinline__ unsigned long long quant_load_group(const unsigned char* packed,
-                                                               long long g, int width,
-                                                               long long nbytes) {
-    long long base = g * width;
-    unsigned long long word = 0ull;
-    for (int b = 0; b < width; ++b) {
-        if (base + b < nbytes) word |= ((unsigned long long)packed[base + b]) << (8 * b);
-    }
-    return word;
-}
 """
 )

@@ -17,14 +17,9 @@ slower): element loops index slices from 0 (``out = codes[:m]; out[k]``: an offs
 values are chains of plain selects rather than nested conditional expressions, and the lane
 loops of the blocked sums take their trip count from ``lanes.shape[0]`` (see below).
 
-Two building blocks of their own, because numba types every operation on 32-bit integers as
-64-bit:
+The generator's uniforms come from :func:`kvstore.codecs._quant_numba.uniform` (its hash in
+32-bit lanes). A building block of their own:
 
-* :func:`uniform` draws the counter generator's uniform (bits identical to
-  :func:`kvstore.codecs._quant_numba.uniform` and
-  :func:`kvstore.codecs.counter_rng.uniforms_reference`) with the hash emitted as 32-bit LLVM
-  IR: twice the SIMD lanes of the 64-bit version and no 64-bit multiplies (16M uniforms: 10.4
-  ms -> 4.6 ms on the development machine);
 * :func:`load_word` / :func:`store_word` read and write eight bytes at any byte offset, so a
   group of eight ``w``-bit codes (``w`` bytes) moves with one 8-byte access: groups are
   stored in order, each store's ``8 - w`` zero bytes being overwritten by the next group's,
@@ -41,7 +36,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from kvstore.codecs._quant_numba import combine_lanes, lane_sum
+from kvstore.codecs._quant_numba import combine_lanes, lane_sum, uniform
 
 LANES = 32
 SUM_BLOCK = 4096  # kvstore.codecs.quantize.SUM_BLOCK
@@ -49,61 +44,12 @@ BLOCK = 4096
 """Elements per encode/decode block: a multiple of 8 (whole groups of codes), 4 KiB of code
 bytes and 16 KiB of floats, within L1 cache."""
 
-_UNIFORM_SCALE = np.float32(2.0**-24)
 BATCH_BELOW = 256
 """qsgd buckets smaller than this get their norms a block at a time (measured on 16M elements:
 128: 16.4 ms instead of 18.7; 512: 13.8 instead of 13.0)."""
 
 _BYTE = np.uint64(0xFF)
 _PACK_PAIRS = np.uint32(0x01041040)
-
-
-# the generator in 32-bit lanes --------------------------------------------------------------
-
-
-def _hash32_ir(builder, x):
-    """:func:`kvstore.codecs.counter_rng.hash32` on an LLVM i32 (wrapping multiplies)."""
-    i32 = ir.IntType(32)
-    x = builder.xor(x, builder.lshr(x, ir.Constant(i32, 16)))
-    x = builder.mul(x, ir.Constant(i32, 0x7FEB352D))
-    x = builder.xor(x, builder.lshr(x, ir.Constant(i32, 15)))
-    x = builder.mul(x, ir.Constant(i32, 0x846CA68B))
-    return builder.xor(x, builder.lshr(x, ir.Constant(i32, 16)))
-
-
-@intrinsic
-def _uniform_bits(typingctx, lo, hi, base, offset):
-    """The 24 random bits ``hash32((hash32(i ^ lo) + hi) mod 2**32) >> 8`` (int32) of element
-    ``i = base + offset``, every argument taken modulo 2**32. ``base`` and ``offset`` come
-    separately so that the index is added in 32 bits: a kernel passes its loop counter as
-    ``offset`` and LLVM keeps a 32-bit vector of indices (a 64-bit one costs a fifth more)."""
-    if not all(isinstance(t, types.Integer) for t in (lo, hi, base, offset)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        lo32, hi32, base32, offset32 = (
-            context.cast(builder, value, kind, types.uint32)
-            for value, kind in zip(args, signature.args, strict=True)
-        )
-        index = builder.add(base32, offset32)
-        h = _hash32_ir(builder, builder.add(_hash32_ir(builder, builder.xor(index, lo32)), hi32))
-        return builder.lshr(h, ir.Constant(ir.IntType(32), 8))
-
-    return types.int32(lo, hi, base, offset), codegen
-
-
-@njit(nogil=True, cache=True, inline="always")
-def uniform(lo, hi, base, offset):
-    """The float32 uniform in [0, 1) of element ``base + offset`` of the stream with key halves
-    ``lo``, ``hi`` (exact: 24 bits times 2**-24)."""
-    return np.float32(_uniform_bits(lo, hi, base, offset)) * _UNIFORM_SCALE
-
-
-@njit(nogil=True, cache=True)
-def uniforms(lo, hi, start, out):
-    """``out[j]`` = the uniform of element ``start + j`` (for tests)."""
-    for j in range(out.shape[0]):
-        out[j] = uniform(lo, hi, start, j)
 
 
 # unaligned 8-byte access ---------------------------------------------------------------------

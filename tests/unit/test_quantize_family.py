@@ -1,11 +1,10 @@
-"""The quantizer family's shared arithmetic: blocked lane sums and code packing, numpy reference
-against the numba building blocks, and both against their definitions."""
+"""The quantizer family's shared arithmetic against its definitions: blocked lane sums (numpy
+reference and numba) and the code packing (the codecs' own tests check their kernels' packing)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import njit
 
 from kvstore.codecs import _quant_numba as qn
 from kvstore.codecs.quantize import (
@@ -63,28 +62,6 @@ def test_sums_of_negative_zeros_are_positive_zero():
         assert total == 0.0 and not np.signbit(total)
 
 
-@njit(cache=True)
-def _pack_with_groups(codes, width, out):
-    for g in range((codes.shape[0] + 7) // 8):
-        word = np.uint64(0)
-        for k in range(8):
-            j = 8 * g + k
-            if j < codes.shape[0]:
-                word |= np.uint64(codes[j]) << np.uint64(k * width)
-        qn.store_group(out, g, word, width)
-
-
-@njit(cache=True)
-def _unpack_with_groups(packed, width, out):
-    mask = np.uint64((1 << width) - 1)
-    for g in range((out.shape[0] + 7) // 8):
-        word = qn.load_group(packed, g, width)
-        for k in range(8):
-            j = 8 * g + k
-            if j < out.shape[0]:
-                out[j] = np.uint8((word >> np.uint64(k * width)) & mask)
-
-
 @pytest.mark.parametrize("width", range(1, 9))
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 1001])
 def test_packing_is_one_little_endian_bit_stream(width, n):
@@ -97,9 +74,3 @@ def test_packing_is_one_little_endian_bit_stream(width, n):
     expected = bytes(int(stream[8 * i : 8 * i + 8][::-1], 2) for i in range(packed.size))
     assert packed.tobytes() == expected
     assert np.array_equal(unpack_codes_reference(packed, width, n), codes)
-    grouped = np.zeros(packed.size, np.uint8)
-    _pack_with_groups(codes, width, grouped)
-    assert np.array_equal(grouped, packed)
-    back = np.zeros(n, np.uint8)
-    _unpack_with_groups(packed, width, back)
-    assert np.array_equal(back, codes)
