@@ -19,7 +19,9 @@ must move (its memory floor):
   scatter-add each; validation included): its floor is the zeroing, 4 B/element (0.33);
 * the quantizing codecs (``1bit``, ``efsign``, ``terngrad``, ``qsgd``, ``fp16``, ``bf16``):
   the encode of a chunk with its state update, and the server's decode-and-accumulate of one
-  push, each next to its memory floor (:data:`QUANTIZER_CASES`).
+  push, each next to its memory floor (:data:`QUANTIZER_CASES`);
+* ``powersgd``'s worker side of a step of a 4096 x 4096 key at rank 4, against one numpy
+  float32 matmul of the same shapes (``M @ Q``).
 
 It also times the server-side decode/aggregate of one round (the real ``Aggregator`` objects,
 one per partition) on 1, 2, 4... threads, which scales because the kernels release the GIL.
@@ -48,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+for _blas_threads in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_blas_threads, "1")  # every kernel here is timed on one thread
 
 import numpy as np  # noqa: E402
 from common import emit, interleaved_medians, machine  # noqa: E402
@@ -224,6 +228,61 @@ def bench_quantizers(n: int, repeats: int) -> None:
         emit({"bench": "codecs", "op": name, "elements": n, "seconds": round(seconds, 6),
               "ratio_to_add": round(seconds / base, 3),
               "floor_ratio": round(floors[name] / 12.0, 3), "threads": 1})  # fmt: skip
+
+
+def bench_powersgd(repeats: int, rows: int = 4096, cols: int = 4096, rank: int = 4) -> None:
+    """PowerSGD's worker side of one step of a ``rows x cols`` key at ``rank`` (round 1: the
+    error added and ``M @ Q``; round 2: ``M^T @ P_hat``; the end of the step: the new error),
+    against one numpy float32 matmul ``M @ Q`` of the same shapes, interleaved. The server's
+    part (sums, Gram-Schmidt) runs outside the timing."""
+    from kvstore.codecs import codec_from_spec
+
+    rng = np.random.default_rng(4)
+    numel = rows * cols
+    codec = codec_from_spec({"type": "powersgd", "rank": rank})
+    encoder = codec.make_key_encoder("bench", numel, "float32", [(0, numel)], shape=(rows, cols))
+    chunk = encoder.chunks[0]
+    server = codec.make_chunk_aggregator(numel, "float32", shape=(rows, cols), start=0)
+    grad = rng.standard_normal(numel).astype(np.float32)
+    matrix = grad.reshape(rows, cols)
+    factor = rng.standard_normal((cols, rank)).astype(np.float32)
+
+    def host(frames: Any) -> list[bytes]:
+        return [bytes(memoryview(getattr(f, "buffer", f)).cast("B")) for f in frames]
+
+    def one_step() -> dict[str, float]:
+        times = {}
+        started = time.perf_counter()
+        encoder.begin(grad, finite=True)
+        first = host(chunk.encode(grad))
+        times["round 1"] = time.perf_counter() - started
+        server.add(first, True)
+        reply = host(server.finish())
+        started = time.perf_counter()
+        second = host(chunk.next_round(reply))
+        times["round 2"] = time.perf_counter() - started
+        server.add(second, True)
+        server.finish()
+        ack = host(server.reply_frames() or [])
+        started = time.perf_counter()
+        chunk.end_step(ack)
+        times["end of step"] = time.perf_counter() - started
+        return times
+
+    one_step()  # compile (or load the cache)
+    steps, matmuls = [], []
+    for _ in range(repeats):
+        steps.append(one_step())
+        started = time.perf_counter()
+        np.matmul(matrix, factor)
+        matmuls.append(time.perf_counter() - started)
+    matmul = statistics.median(matmuls)
+    parts = {name: statistics.median(s[name] for s in steps) for name in steps[0]}
+    total = statistics.median(sum(s.values()) for s in steps)
+    for name, seconds in [*parts.items(), ("worker step", total)]:
+        emit({"bench": "codecs", "op": f"powersgd {name} (numba)", "shape": [rows, cols],
+              "rank": rank, "seconds": round(seconds, 6), "numpy_matmul_seconds": round(matmul, 6),
+              "ratio_to_matmul": round(seconds / matmul, 2), "threads": 1})  # fmt: skip
 
 
 def bench_server_threads(n: int, partitions: int, thread_counts: list[int], repeats: int) -> None:
@@ -432,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     bench_kernels(n, repeats)
     bench_sparse(n, repeats)
     bench_quantizers(n, repeats)
+    if args.preset == "full":
+        bench_powersgd(repeats)
+    else:
+        bench_powersgd(repeats, rows=512, cols=512)
     bench_server_threads(n, preset["partitions"], preset["threads"], repeats)
     if args.gpu:
         bench_gpu(repeats)
