@@ -36,6 +36,8 @@ def test_codec_benchmark_smoke():
     records = run("bench_codecs.py")
     ops = {r.get("op") for r in records}
     assert {"a += b (numpy)", "2bit encode (numba)", "2bit decode+accumulate (numba)"} <= ops
+    assert {"qsgd (levels 15) encode (numba)", "1bit decode+accumulate (numba)"} <= ops
+    assert "powersgd worker step (numba)" in ops
     assert all(r["ratio_to_add"] > 0 for r in records if "ratio_to_add" in r)
     assert "machine" in records[-1]
 
