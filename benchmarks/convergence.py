@@ -338,7 +338,8 @@ def rebuild(sources: list[Path]) -> tuple[list[dict[str, Any]], str]:
                 config = config or record
             elif "seeds_done" in record and "wall_seconds" in record:
                 walls[record["run"]] = record["wall_seconds"]
-        runs.update(seen)  # a later file's run replaces an earlier one's
+        for label, seeds in seen.items():  # a later file's seed of a run replaces an earlier
+            runs.setdefault(label, {}).update(seeds)  # one's; other seeds add up
     summaries = [
         summarize(label, [{"epochs": e, "wall": walls.get(label, 0.0)} for e in seeds.values()])
         for label, seeds in runs.items()
