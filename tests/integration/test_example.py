@@ -1,5 +1,6 @@
 """The README's main job: MNIST with 2-bit compression under kvstore-launch, and uncompressed;
-its plot, and its progress bars (on a terminal only)."""
+its plot, its progress bars (on a terminal only), and its training steps through kvstore.torch
+against the hand-written push and pull loop they replaced."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import termios
 from pathlib import Path
 
 import pytest
-from kvtest import REPO
+from kvtest import REPO, connect, run_ranks
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TRAIN = REPO / "examples/mnist/train.py"
@@ -50,10 +51,9 @@ _BAR = re.compile(r"\d+/\d+ \[[^\]]*step/s")
 
 
 def test_mnist_example_trains_uncompressed_plots_and_keeps_piped_output_free_of_bars(tmp_path):
-    # Uncompressed: the example pushes with borrow=True, so the gradients are sent from the
-    # tensors themselves, and the job must still train, both workers ending with the same
-    # weights. (README's quickstart test trains the 2-bit default for 8 epochs, and the
-    # convergence smoke test trains both for one.)
+    # Uncompressed, through the DistributedOptimizer: the job must train, both workers ending
+    # with the same weights. (README's quickstart test trains the 2-bit default for 8 epochs,
+    # and the convergence smoke test trains both for one.)
     plot = tmp_path / "mnist.png"
     epochs, done, output = _train(
         "--epochs", "2", "--batch-size", "128", "--compression", "none", "--plot", str(plot)
@@ -196,6 +196,8 @@ def test_mnist_example_reads_compression_specs(flags, codec, momentum):
         (["--compression", "[2]"], "expected NAME or NAME:key=value"),
         (["--compression", "none", "--threshold", "0.1"], "--threshold is 2bit's threshold"),
         (["--optimizer", "local", "--mode", "dist_async"], "needs --mode dist_sync"),
+        (["--bucket-bytes", "0"], "--bucket-bytes must be at least 1"),
+        (["--compression", "powersgd", "--bucket-bytes", "4096"], "powersgd would send"),
     ],
     ids=[
         "unknown",
@@ -206,6 +208,8 @@ def test_mnist_example_reads_compression_specs(flags, codec, momentum):
         "syntax",
         "threshold",
         "async",
+        "bucket-bytes",
+        "powersgd-buckets",
     ],
 )
 def test_mnist_example_refuses_bad_options_before_training(capsys, flags, message):
@@ -253,3 +257,102 @@ def test_mnist_example_reports_the_timings_its_kvstore_counts():
     assert record["encode_ms_per_step"] == 500.0  # 2 s over 4 steps
     assert "wire_ms_per_step" not in record  # not counted at the epoch's start
     assert "d2h_ms_per_step" not in record  # not counted by this kvstore
+
+
+STEPS = 3
+
+
+def _hand_written_job(args, addresses, models, batches):
+    """The example's training before it used kvstore.torch, on 2 workers (threads) that train
+    ``models`` in place on ``batches[rank]``: each rank's losses."""
+    import torch
+
+    def rank_job(rank: int):
+        model = models[rank]
+        names = [name for name, _ in model.named_parameters()]
+        params = [p for _, p in model.named_parameters()]
+        with connect(addresses, rank, 2) as kv:
+            kv.set_gradient_compression(args.codec)
+            local_sgd = None
+            if args.optimizer == "server":
+                kv.set_optimizer(
+                    "sgd", learning_rate=args.lr, momentum=args.momentum, wd=args.wd,
+                    rescale_grad=1 / kv.num_workers,
+                )  # fmt: skip
+            else:
+                local_sgd = torch.optim.SGD(
+                    params, lr=args.lr, momentum=args.momentum, weight_decay=args.wd
+                )
+            summed = [torch.empty_like(p) for p in params]
+            kv.init(names, [p.detach() for p in params])
+            kv.pull(names, out=params)  # rank 0's initial weights
+            losses = []
+            for images, labels in batches[rank]:
+                model.zero_grad(set_to_none=False)
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
+                loss.backward()
+                losses.append(loss.item())
+                grads = [p.grad for p in params]
+                kv.push(names[::-1], grads[::-1], borrow=True)
+                if local_sgd is None:
+                    kv.pull(names, out=params)
+                else:
+                    kv.pull(names, out=summed)
+                    for grad, total in zip(grads, summed, strict=True):
+                        torch.div(total, kv.num_workers, out=grad)
+                    local_sgd.step()
+        return losses
+
+    return run_ranks(2, rank_job)
+
+
+def _example_job(args, addresses, models, batches, train):
+    """The same job through the example's own setup and ``train_step``."""
+    import torch
+
+    def rank_job(rank: int):
+        model = models[rank]
+        with connect(addresses, rank, 2) as kv:
+            train.kvt.broadcast_parameters(model, kv)
+            opt = train.make_optimizer(args, model, kv)
+            loss_fn = torch.nn.CrossEntropyLoss()
+            return [train.train_step(model, opt, loss_fn, x, y) for x, y in batches[rank]]
+
+    return run_ranks(2, rank_job)
+
+
+@pytest.mark.parametrize("optimizer", ["local", "server"])
+def test_mnist_example_trains_through_kvstore_torch_as_its_hand_written_loop_did(
+    two_servers_two_workers, optimizer
+):
+    """Same seed, same options: the same losses and weights, bit for bit, on both workers.
+    top-k's sampled threshold is drawn per key, so this also checks that the keys kept their
+    names."""
+    import copy
+
+    import torch
+
+    train = _load_train()
+    args = train.parse_args(
+        ["--optimizer", optimizer, "--compression", "topk:ratio=0.1", "--hidden", "16"]
+    )
+    starts = []
+    for rank in range(2):  # different on each rank: both ways start every rank from rank 0's
+        torch.manual_seed(rank)
+        starts.append(train.make_model(args.model, args.hidden))
+    batches = []
+    for rank in range(2):
+        data = torch.Generator().manual_seed(100 + rank)
+        batches.append(
+            [(torch.rand(8, 784, generator=data), torch.randint(0, 10, (8,), generator=data))]
+            * STEPS  # the same batch every step: the residuals still change what is pushed
+        )
+    references = copy.deepcopy(starts)
+    expected = _hand_written_job(args, two_servers_two_workers, references, batches)
+    models = copy.deepcopy(starts)
+    got = _example_job(args, two_servers_two_workers, models, batches, train)
+    assert got == expected
+    for model, reference in zip(models, references, strict=True):
+        for name, param in model.named_parameters():
+            assert torch.equal(param, reference.get_parameter(name)), name
+            assert not torch.equal(param, starts[0].get_parameter(name)), name  # it trained
