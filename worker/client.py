@@ -36,7 +36,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1320,6 +1320,61 @@ class KVStore:
             saved = manifest.get("optimizer")
             if saved is not None:
                 self._optimizer = make_optimizer_spec(saved["name"], saved["params"])
+
+    def codec_state(self, keys: KeyArg) -> dict[str, Any]:
+        """This worker's codec state of ``keys`` (not collective; the servers are not asked).
+
+        Waits for this worker's pushes of the keys, then returns, per key, its shape, dtype,
+        compression and chunks, and per chunk the encoder's state as numpy arrays on the host
+        (2-bit / top-k / 1-bit residuals, DGC's momentum and velocity, PowerSGD's error and
+        factor, the push count of codecs that draw random numbers): a dict of plain data and
+        numpy arrays, JSON-able but for the arrays, which the caller owns. A key whose encoder
+        was never made (no push since init) has ``None`` per chunk. The format is
+        :func:`kvstore.worker.checkpointing.codec_state_dict`'s.
+
+        Call it between steps, like :meth:`save_checkpoint`; :meth:`load_codec_state` restores
+        it. The servers' state (values, optimizer state) is not in it.
+
+        Raises:
+            KeyNotInitializedError: a key was never initialised.
+        """
+        self._check_open()
+        names = keys if isinstance(keys, list | tuple) else [keys]
+        with self._api_lock:
+            states: dict[Key, _KeyState] = {}  # (a key named twice is described once)
+            for name in names:
+                state = self._state(_normalize_key(name))
+                states[state.key] = state
+            self._wait_pushes(states.values())
+            return ckpt.codec_state_dict(states.values(), self.rank)
+
+    def load_codec_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`codec_state` returned, on the worker that saved it (not
+        collective): the next push of each key in ``state`` encodes exactly as the saving
+        store's next push did.
+
+        Everything is checked before anything changes: the format, the worker's rank, and per
+        key that it is initialised here with the same shape, dtype, compression and chunk plan
+        (the number of servers, ``KVSTORE_PARTITION_BYTES`` and ``KVSTORE_BIGARRAY_BOUND``), and
+        that every chunk's arrays have the names, shapes and dtypes its encoder keeps. Then,
+        as in :meth:`load_checkpoint`, each key's encoder is made again at its next push (on
+        the values' device) and loads the saved state; a key saved without state starts from
+        zero. Keys not in ``state`` keep theirs; the servers are not touched.
+
+        Raises:
+            CheckpointError: ``state`` is not a codec state, is another worker's or a newer
+                version's, or a key is missing here or differs (naming the key and both sides).
+            CodecError: a chunk's arrays do not fit its encoder (naming the key and chunk).
+        """
+        self._check_open()
+        with self._api_lock:
+            plan = ckpt.plan_codec_state(self._keys, state, self.rank)
+            states = [self._keys[key] for key in plan]
+            self._wait_pushes(states)  # (an in-flight round still writes into its encoder)
+            for key_state in states:
+                key_state.key_encoder = None
+                key_state.encoders = [None] * len(key_state.chunks)
+                key_state.restored = plan[key_state.key]
 
     def _checkpoint_keys(self) -> list[dict[str, Any]]:
         return [

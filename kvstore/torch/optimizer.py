@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstore.errors import UsageError
@@ -49,6 +50,9 @@ ServerOptimizerSpec = str | tuple[str, Mapping[str, Any]]
 hyperparameters of :meth:`kvstore.KVStore.set_optimizer`."""
 
 DEFAULT_KEY_PREFIX = "kvt.param/"
+
+CODEC_STATE_ENTRY = "kvstore_codec_state"
+"""The entry of :meth:`DistributedOptimizer.state_dict` that holds the store's codec state."""
 
 
 @dataclass(eq=False)
@@ -442,11 +446,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, plus a ``"kvstore"`` entry describing the
         wrapper (parameters in backward order, buckets, passes per step, compression, server
-        optimizer), which :meth:`load_state_dict` checks.
+        optimizer), which :meth:`load_state_dict` checks, and a ``"kvstore_codec_state"``
+        entry: this worker's codec state of the wrapper's keys (:meth:`kvstore.KVStore.
+        codec_state`: residuals, DGC's momentum and velocity, PowerSGD's error and factor,
+        push counts), its arrays as CPU tensors so that ``torch.load`` with its default
+        ``weights_only=True`` reads it.
 
-        The codec state (residuals, DGC momentum) lives in the store, and a server optimizer's
-        state on the servers: ``kv.save_checkpoint(path)`` / ``kv.load_checkpoint(path)``
-        (collective) save and restore them (docs/torch.md, "Checkpoints").
+        Call it between steps, on every worker (the codec state is each worker's own). A
+        server optimizer's state and the keys' values live on the servers:
+        ``kv.save_checkpoint(path)`` / ``kv.load_checkpoint(path)`` (collective) save and
+        restore them (docs/torch.md, "Checkpoints").
         """
         state = self._optimizer.state_dict()
         state["kvstore"] = {
@@ -457,16 +466,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._server is None
             else [self._server[0], dict(self._server[1])],
         }
+        state[CODEC_STATE_ENTRY] = _as_tensors(self._kv.codec_state(list(self.keys)))
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of :meth:`state_dict` (or of the wrapped optimizer alone).
 
+        The codec state, where the state dict has one, must be this worker's, of the same
+        keys, compression and chunk plan; it is restored into the store
+        (:meth:`kvstore.KVStore.load_codec_state`), so the next pushes encode as the saving
+        run's did. A state dict without one leaves the store's codec state as it is.
+        Nothing changes when a check fails.
+
         Raises:
-            ValueError: it was saved by a wrapper over other parameters or buckets.
+            ValueError: it was saved by a wrapper over other parameters, buckets or keys, or
+                the wrapped optimizer refuses its part.
+            CheckpointError, CodecError: the codec state is another worker's or does not fit
+                the wrapper's keys (from the store, naming the key).
         """
         state = dict(state_dict)
         saved = state.pop("kvstore", None)
+        codec_state = state.pop(CODEC_STATE_ENTRY, None)
         if saved is not None:
             mine = [list(bucket.names) for bucket in self._buckets]
             if saved.get("buckets") != mine:
@@ -474,7 +494,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "the state dict was saved by a DistributedOptimizer over other parameters "
                     f"or buckets: saved {_short(saved.get('buckets'))}, here {_short(mine)}"
                 )
+        if codec_state is None:
+            self._optimizer.load_state_dict(state)
+            return
+        saved_keys = _keys_of(codec_state)
+        if saved_keys is not None and saved_keys != list(self.keys):
+            raise ValueError(
+                "the state dict's codec state is of other keys (another key_prefix?): saved "
+                f"{_short(saved_keys)}, here {_short(list(self.keys))}"
+            )
+        codec_state = _as_arrays(codec_state)
+        # The store checks everything before it changes anything; the wrapped optimizer's
+        # state is put back if it refuses.
+        previous = self._optimizer.state_dict()
         self._optimizer.load_state_dict(state)
+        try:
+            self._kv.load_codec_state(codec_state)
+        except BaseException:
+            self._optimizer.load_state_dict(previous)
+            raise
 
     def remove_hooks(self) -> None:
         """Stop pushing from backward (the keys stay in the store)."""
@@ -490,6 +528,39 @@ def _hook(owner: weakref.ref[DistributedOptimizer], slot: _Slot) -> Callable[[An
             wrapper._on_gradient(slot)
 
     return on_gradient
+
+
+def _keys_of(codec_state: Any) -> list[Any] | None:
+    """The keys a saved codec state describes, in order (None: it is malformed; the store
+    says how)."""
+    keys = codec_state.get("keys") if isinstance(codec_state, Mapping) else None
+    if not isinstance(keys, list | tuple) or not all(isinstance(k, Mapping) for k in keys):
+        return None
+    return [k.get("key") for k in keys]
+
+
+def _as_tensors(value: Any) -> Any:
+    """``value`` with every numpy array replaced by a CPU tensor (sharing its memory: the
+    store's codec state hands out copies)."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, Mapping):
+        return {k: _as_tensors(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_tensors(v) for v in value]
+    return value
+
+
+def _as_arrays(value: Any) -> Any:
+    """The inverse of :func:`_as_tensors` (tensors on any device come back as host arrays;
+    numpy arrays, from a state dict that never went through torch, stay)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, Mapping):
+        return {k: _as_arrays(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_arrays(v) for v in value]
+    return value
 
 
 def _short(buckets: Any) -> str:
