@@ -247,10 +247,11 @@ def test_the_plan_is_never_slower_than_no_merging_or_one_bucket():
         ls, comm, sparsify = _random_instance(rng)
         groups = plan_buckets(ls, comm, sparsify)
         assert [i for g in groups for i in g] == list(range(len(ls)))
-        seconds = simulate(ls, groups, comm, sparsify)
+        # (the cost model's predictions, pure arithmetic: nothing here is timed)
+        predicted = simulate(ls, groups, comm, sparsify)
         bound = min(simulate(ls, no_buckets(ls), comm, sparsify),
                     simulate(ls, one_bucket(ls), comm, sparsify))  # fmt: skip
-        assert seconds <= bound * (1 + 1e-9), (ls, comm, sparsify, groups)
+        assert predicted <= bound * (1 + 1e-9), (ls, comm, sparsify, groups)
 
 
 def test_the_greedy_groups_are_consecutive_and_cover_every_layer():
