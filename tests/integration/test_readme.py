@@ -87,8 +87,8 @@ def test_quickstart_installs_what_ci_installs():
     ci = (REPO / ".ci" / "run").read_text()
     install, tests = test_suite.split(" && ")
     assert f"\n{install}\n" in ci, ".ci/run must install what the README's test command does"
-    assert tests == "python3 -m pytest tests"
-    assert re.search(r"^python3 -m pytest tests\b", ci, re.MULTILINE)
+    assert tests == "python3 -m pytest -n 2 tests"
+    assert re.search(r"^python3 -m pytest -n 2 tests\b", ci, re.MULTILINE)
 
 
 def test_quickstart_main_job_prints_what_the_readme_shows():
