@@ -261,6 +261,7 @@ class QsgdCodec(QuantizerCodec):
             part of every stream, so workers never share rounding noise.
     """
 
+    infinite_scales = True  # a bucket whose norm overflows float32 goes as zeros
     name = "qsgd"
     param_defaults = {"levels": 15, "bucket": 512, "seed": 0}
     stochastic = True

@@ -339,6 +339,7 @@ class DecodeSumAggregator(Aggregator):
 
     def add(self, payloads: Payloads, first: bool) -> None:
         frames = [frame_array(frame, np.uint8) for frame in payloads]
+        self.codec.check_scales(frames, self.numel)  # before the sum is touched
         self.codec.decode_into(frames, self.numel, self.result, not first, self.implementation)
 
 
@@ -355,6 +356,25 @@ class QuantizerCodec(Codec):
     """Names of the encoders' float32 per-element state arrays (``("residual",)``)."""
     stochastic: ClassVar[bool] = False
     """True when encoding draws random numbers (the encoder then keeps its push count)."""
+
+    infinite_scales: ClassVar[bool] = False
+    """True where a scale may be infinite in a valid push (``qsgd``: a bucket whose norm
+    overflows float32 is sent as zeros); NaN is never valid."""
+
+    def check_scales(self, frames: Sequence[np.ndarray], numel: int) -> None:
+        """Raise CodecError if a push's scales (its first frame, where the codec has scales)
+        are NaN, or infinite where the codec never sends that: a worker never does, and one
+        such scale would turn the round's whole sum into NaN."""
+        if self.scale_count(numel) == 0:
+            return
+        scales = np.frombuffer(frames[0], dtype=np.float32)
+        bad = np.isnan(scales) if self.infinite_scales else ~np.isfinite(scales)
+        if bad.any():
+            raise CodecError(
+                f"codec {self.name!r}: a push of a {numel}-element chunk has "
+                f"{int(bad.sum())} {'NaN' if self.infinite_scales else 'non-finite'} scale(s) "
+                f"(the first at {int(np.argmax(bad))}); nothing was added"
+            )
 
     @abstractmethod
     def code_bits(self) -> int:

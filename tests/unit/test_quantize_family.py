@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvstore.codecs import _quant_numba as qn
+from kvstore.codecs import codec_from_spec
 from kvstore.codecs.quantize import (
     LANES,
     blocked_sum_reference,
@@ -15,6 +16,7 @@ from kvstore.codecs.quantize import (
     packed_nbytes,
     unpack_codes_reference,
 )
+from kvstore.errors import CodecError
 
 
 def _lane_sum_by_definition(values):
@@ -74,3 +76,16 @@ def test_packing_is_one_little_endian_bit_stream(width, n):
     expected = bytes(int(stream[8 * i : 8 * i + 8][::-1], 2) for i in range(packed.size))
     assert packed.tobytes() == expected
     assert np.array_equal(unpack_codes_reference(packed, width, n), codes)
+
+
+@pytest.mark.parametrize("name", ["1bit", "efsign", "terngrad", "qsgd"])
+def test_the_server_refuses_nan_scales_before_touching_the_sum(name):
+    codec = codec_from_spec({"type": name})
+    encoder = codec.make_encoder(1000, "float32")
+    frames = [np.array(f, copy=True) for f in encoder.encode(np.ones(1000, np.float32))]
+    frames[0].view(np.float32)[-1] = np.nan
+    aggregator = codec.make_aggregator(1000, "float32")
+    aggregator.result[:] = 7.0
+    with pytest.raises(CodecError, match="scale"):
+        aggregator.add(frames, first=False)
+    assert (aggregator.result == 7.0).all()
