@@ -89,7 +89,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 import round_trace  # noqa: E402
-from common import emit, machine  # noqa: E402
+from common import append_jsonl, emit, machine  # noqa: E402
 from link_trace import LinkTrace, by_role, summarize  # noqa: E402
 from netns import DEFAULT_GSO_MAX_BYTES, check_gso_max_bytes  # noqa: E402
 
@@ -702,7 +702,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         except Exception as exc:
             record["error"] = str(exc)[-500:]
         emit(record)
-        _append(args.out, record)
+        append_jsonl(args.out, record)
 
     # How the hosts were linked and run, in every record.
     hosting = {"rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name, "pinned": pinned}
@@ -724,15 +724,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     summary = {"bench": "cluster", "preset": args.preset, "machine": machine(),
                "wall_seconds": round(time.time() - started, 1)}  # fmt: skip
     emit(summary)
-    _append(args.out, summary)
+    append_jsonl(args.out, summary)
     return 0
-
-
-def _append(path: str | None, record: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

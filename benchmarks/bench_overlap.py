@@ -67,7 +67,7 @@ from typing import Any
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from common import emit, machine  # noqa: E402
+from common import append_jsonl, emit, machine  # noqa: E402
 
 PUSH_AFTER_BACKWARD = "push-after-backward"
 WRAPPER_PLANS = ("none", "bucket", "mgs", "mgs-measured")
@@ -616,7 +616,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             record["backward_seconds"] / baseline["backward_seconds"], 3
         )
         emit(record)
-        _append(args.out, record)
+        append_jsonl(args.out, record)
     summary = {
         "bench": "overlap",
         "preset": args.preset,
@@ -631,7 +631,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         "wall_seconds": round(time.time() - started, 1),
     }
     emit(summary)
-    _append(args.out, summary)
+    append_jsonl(args.out, summary)
     return 0
 
 
@@ -685,13 +685,6 @@ def _collect(workers: list[subprocess.Popen], timeout: float) -> list[dict[str, 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def _append(path: str | None, record: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -43,6 +44,15 @@ def machine() -> dict[str, Any]:
 def emit(record: dict[str, Any]) -> None:
     """Print one JSON line (and flush, so a pipe sees it at once)."""
     print(json.dumps(record, sort_keys=False), flush=True)
+
+
+def append_jsonl(path: str | None, record: dict[str, Any]) -> None:
+    """Append ``record`` as one JSON line to ``path`` (its folder made if needed); no path, no
+    file."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
