@@ -34,6 +34,7 @@ kernels), device-to-host copy, wire (waiting for the servers' replies) and host-
 
     python benchmarks/bench_codecs.py --preset smoke
     python benchmarks/bench_codecs.py --preset full
+    python benchmarks/bench_codecs.py --preset full --gpu --gpu-only   # the GPU sections alone
 """
 
 from __future__ import annotations
@@ -326,6 +327,8 @@ def bench_server_threads(n: int, partitions: int, thread_counts: list[int], repe
 def bench_gpu(repeats: int) -> None:
     import cupy
 
+    from kvstore.codecs import _cast_cuda
+
     n = 100_000_000
     rng = cupy.random.default_rng(0)
     grad = rng.standard_normal(n, dtype=cupy.float32)
@@ -334,6 +337,7 @@ def bench_gpu(repeats: int) -> None:
     out = cupy.zeros(n, cupy.float32)
     src = cupy.empty(n, cupy.float32)
     dst = cupy.empty(n, cupy.float32)
+    halves = grad.astype(cupy.float16).view(cupy.uint16)  # fp16 or bf16 codes: same bytes moved
 
     def timed(fn) -> float:
         fn()
@@ -357,6 +361,14 @@ def bench_gpu(repeats: int) -> None:
             8.25,
         ),
         "nonfinite check (cupy)": (lambda: count_nonfinite(grad), 4.0),
+        "fp16 decode+accumulate (cupy)": (
+            lambda: _cast_cuda.decode(halves, out, bf16=False, accumulate=True),
+            10.0,
+        ),
+        "bf16 decode+accumulate (cupy)": (
+            lambda: _cast_cuda.decode(halves, out, bf16=True, accumulate=True),
+            10.0,
+        ),
     }
     emit({"bench": "codecs", "op": "device copy (cupy)", "elements": n, "seconds": copy_s,
           "gbytes_per_s": round(copy_bw / 1e9, 1),
@@ -379,15 +391,25 @@ def bench_gpu(repeats: int) -> None:
 
 GPU_CODECS = {
     "2bit:residual_clip=1": ({"type": "2bit", "threshold": 0.5, "residual_clip": 1}, 12.0),
-    **{label: (spec, floor) for label, (spec, floor, _) in QUANTIZER_CASES.items()},
+    # The scaled quantizers read the chunk once for its scales and again to encode it:
+    # 1bit / efsign 8 + 12.125 bytes, terngrad 4 + 4.25, qsgd 4 + 4.625 (+ one norm per bucket).
+    "1bit": ({"type": "1bit"}, 20.125),
+    "efsign": ({"type": "efsign"}, 20.125),
+    "terngrad": ({"type": "terngrad"}, 8.25),
+    "qsgd (levels 15)": ({"type": "qsgd", "levels": 15}, 8.625),
+    "fp16": ({"type": "fp16"}, 6.0),
+    "fp16 (error feedback)": ({"type": "fp16", "error_feedback": True}, 14.0),
+    "bf16": ({"type": "bf16"}, 6.0),
+    "bf16 (error feedback)": ({"type": "bf16", "error_feedback": True}, 14.0),
     "threshold": ({"type": "threshold", "threshold": 2.5}, 12.0),
     "topk (sampled)": ({"type": "topk", "ratio": 0.01}, 12.0),
     "topk (exact)": ({"type": "topk", "ratio": 0.01, "sample": 0}, 12.0),
     "randomk": ({"type": "randomk", "ratio": 0.01}, 12.0),
     "dgc": ({"type": "dgc", "ratio": 0.001}, 20.0),
 }
-"""Codecs timed through their GPU encoders (key encoder, one chunk) with their memory floor in
-bytes per element: read gradient and state, write state (DGC: two state arrays)."""
+"""Codecs timed through their GPU encoders (key encoder, one chunk) with the bytes per element
+their kernels read and write: gradient and state read, state and codes written (DGC: two state
+arrays; the scaled quantizers: a first pass for the scales)."""
 
 
 def bench_gpu_encoders(n: int, repeats: int, copy_bw: float) -> None:
@@ -397,13 +419,16 @@ def bench_gpu_encoders(n: int, repeats: int, copy_bw: float) -> None:
 
     from kvstore.codecs import codec_from_spec, xp
 
-    grad = cupy.random.default_rng(0).standard_normal(n, dtype=cupy.float32)
+    rng = cupy.random.default_rng(0)
+    grads = [rng.standard_normal(n, dtype=cupy.float32) for _ in range(2)]  # as on the CPU
     for label, (spec, bytes_per_element) in GPU_CODECS.items():
         try:
             codec = codec_from_spec(spec)
             encoder = codec.make_key_encoder("bench", n, "float32", [(0, n)], cupy.cuda.Device())
+            pushes = iter(range(1 << 62))
 
-            def encode(encoder: Any = encoder) -> None:
+            def encode(encoder: Any = encoder, pushes: Any = pushes) -> None:
+                grad = grads[next(pushes) % 2]
                 encoder.begin(grad, finite=True)  # as the client calls it, after its check
                 encoder.chunks[0].encode(grad)
 
@@ -483,19 +508,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--elements", type=int, help="override the preset's array size")
     parser.add_argument("--repeats", type=int, help="override the preset's repeat count")
     parser.add_argument("--gpu", action="store_true", help="also time the CuPy kernels")
+    parser.add_argument(
+        "--gpu-only", action="store_true", help="with --gpu: skip the CPU kernels and threads"
+    )
     args = parser.parse_args(argv)
     preset = dict(PRESETS[args.preset])
     n = args.elements or preset["elements"]
     repeats = args.repeats or preset["repeats"]
     started = time.time()
-    bench_kernels(n, repeats)
-    bench_sparse(n, repeats)
-    bench_quantizers(n, repeats)
-    if args.preset == "full":
-        bench_powersgd(repeats)
-    else:
-        bench_powersgd(repeats, rows=512, cols=512)
-    bench_server_threads(n, preset["partitions"], preset["threads"], repeats)
+    if not (args.gpu and args.gpu_only):
+        bench_kernels(n, repeats)
+        bench_sparse(n, repeats)
+        bench_quantizers(n, repeats)
+        if args.preset == "full":
+            bench_powersgd(repeats)
+        else:
+            bench_powersgd(repeats, rows=512, cols=512)
+        bench_server_threads(n, preset["partitions"], preset["threads"], repeats)
     if args.gpu:
         bench_gpu(repeats)
         bench_gpu_training(args.preset)

@@ -2,7 +2,10 @@
 bit for bit, as the numpy references of :mod:`kvstore.codecs.cast16` and the numba kernels of
 ``_cast_numba``, whose bit-pattern arithmetic they repeat (see that module's docstring).
 
-One thread per element: a warp reads 128 contiguous bytes of values and writes 64 of codes.
+Four elements per thread: one ``float4`` of values (and of residuals) and one ``ushort4`` of
+codes when the arrays are 16-byte aligned, one by one for a misaligned view and the last partial
+group. The check of a multi-chunk key for overflow (:func:`largest_magnitude`) is a grid-stride
+maximum with one ``atomicMax`` per warp.
 CuPy compiles with ``-ftz=true``, under which ``__float2half_rn`` and the float operators would
 flush subnormal float32 inputs and results to zero, so the conversions are integer operations
 on the bit patterns, and the few float32 operations (the error-feedback add and subtract, the
@@ -63,43 +66,132 @@ __device__ __forceinline__ float cast_widen(unsigned int h, int bf16) {
     return __uint_as_float(bits | ((h & 0x8000u) << 16));
 }
 
-__global__ void cast_encode(const float* __restrict__ values, unsigned short* __restrict__ out,
-                            const long long n, const int bf16,
-                            unsigned int* __restrict__ overflow) {
-    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= n) return;
-    unsigned int x = __float_as_uint(values[j]);
+/* The 16-bit pattern of float32 bits x, without error feedback: an element that rounds past
+   the range becomes infinity and raises *overflow to its magnitude bits. */
+__device__ __forceinline__ unsigned short cast_encode_one(unsigned int x, int bf16,
+                                                          unsigned int* overflow) {
     unsigned int magnitude = cast_magnitude(x, bf16);
     unsigned int infinity = bf16 ? 0x7f80u : 0x7c00u;
     if (magnitude >= infinity) {
         magnitude = infinity;
         atomicMax(overflow, x & 0x7fffffffu);
     }
-    out[j] = (unsigned short)(((x >> 16) & 0x8000u) | magnitude);
+    return (unsigned short)(((x >> 16) & 0x8000u) | magnitude);
 }
 
-__global__ void cast_encode_feedback(const float* __restrict__ values,
-                                     float* __restrict__ residual,
-                                     unsigned short* __restrict__ out, const long long n,
-                                     const int bf16) {
-    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= n) return;
-    unsigned int x = __float_as_uint(ieee_add(residual[j], values[j]));
+/* The 16-bit pattern of residual + value (an overflowed sum saturated, the code clamped to
+   the largest finite half); *residual becomes what the pattern does not carry. */
+__device__ __forceinline__ unsigned short cast_feedback_one(float value, float* residual,
+                                                            int bf16) {
+    unsigned int x = __float_as_uint(ieee_add(*residual, value));
     if ((x & 0x7fffffffu) > 0x7f7fffffu) {  /* the sum overflowed: the largest finite float */
         x = (x & 0x80000000u) | 0x7f7fffffu;
     }
     unsigned int largest = bf16 ? 0x7f7fu : 0x7bffu;
     unsigned int h = ((x >> 16) & 0x8000u) | min(cast_magnitude(x, bf16), largest);
-    out[j] = (unsigned short)h;
-    residual[j] = ieee_sub(__uint_as_float(x), cast_widen(h, bf16));
+    *residual = ieee_sub(__uint_as_float(x), cast_widen(h, bf16));
+    return (unsigned short)h;
+}
+
+/* Each kernel gives a thread four elements: one float4 (and one ushort4 of codes) when the
+   arrays are aligned for it (`aligned`), else, and for the last partial group, one by one. */
+
+__global__ void cast_encode(const float* __restrict__ values, unsigned short* __restrict__ out,
+                            const long long n, const int bf16,
+                            unsigned int* __restrict__ overflow, const int aligned) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = 4 * t;
+    if (i >= n) return;
+    if (aligned && i + 4 <= n) {
+        float4 v = reinterpret_cast<const float4*>(values)[t];
+        ushort4 h;
+        h.x = cast_encode_one(__float_as_uint(v.x), bf16, overflow);
+        h.y = cast_encode_one(__float_as_uint(v.y), bf16, overflow);
+        h.z = cast_encode_one(__float_as_uint(v.z), bf16, overflow);
+        h.w = cast_encode_one(__float_as_uint(v.w), bf16, overflow);
+        reinterpret_cast<ushort4*>(out)[t] = h;
+        return;
+    }
+    for (long long k = i; k < n && k < i + 4; ++k) {
+        out[k] = cast_encode_one(__float_as_uint(values[k]), bf16, overflow);
+    }
+}
+
+__global__ void cast_encode_feedback(const float* __restrict__ values,
+                                     float* __restrict__ residual,
+                                     unsigned short* __restrict__ out, const long long n,
+                                     const int bf16, const int aligned) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = 4 * t;
+    if (i >= n) return;
+    if (aligned && i + 4 <= n) {
+        float4 v = reinterpret_cast<const float4*>(values)[t];
+        float4 r = reinterpret_cast<float4*>(residual)[t];
+        ushort4 h;
+        h.x = cast_feedback_one(v.x, &r.x, bf16);
+        h.y = cast_feedback_one(v.y, &r.y, bf16);
+        h.z = cast_feedback_one(v.z, &r.z, bf16);
+        h.w = cast_feedback_one(v.w, &r.w, bf16);
+        reinterpret_cast<float4*>(residual)[t] = r;
+        reinterpret_cast<ushort4*>(out)[t] = h;
+        return;
+    }
+    for (long long k = i; k < n && k < i + 4; ++k) {
+        float r = residual[k];
+        out[k] = cast_feedback_one(values[k], &r, bf16);
+        residual[k] = r;
+    }
+}
+
+__device__ __forceinline__ float cast_decode_one(unsigned int h, float old, int bf16,
+                                                 int accumulate) {
+    float v = cast_widen(h, bf16);
+    return accumulate ? ieee_add(old, v) : v;
 }
 
 __global__ void cast_decode(const unsigned short* __restrict__ codes, float* __restrict__ out,
-                            const long long n, const int bf16, const int accumulate) {
-    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= n) return;
-    float v = cast_widen(codes[j], bf16);
-    out[j] = accumulate ? ieee_add(out[j], v) : v;
+                            const long long n, const int bf16, const int accumulate,
+                            const int aligned) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = 4 * t;
+    if (i >= n) return;
+    if (aligned && i + 4 <= n) {
+        ushort4 h = reinterpret_cast<const ushort4*>(codes)[t];
+        float4 o = accumulate ? reinterpret_cast<const float4*>(out)[t] : make_float4(0, 0, 0, 0);
+        o.x = cast_decode_one(h.x, o.x, bf16, accumulate);
+        o.y = cast_decode_one(h.y, o.y, bf16, accumulate);
+        o.z = cast_decode_one(h.z, o.z, bf16, accumulate);
+        o.w = cast_decode_one(h.w, o.w, bf16, accumulate);
+        reinterpret_cast<float4*>(out)[t] = o;
+        return;
+    }
+    for (long long k = i; k < n && k < i + 4; ++k) {
+        out[k] = cast_decode_one(codes[k], accumulate ? out[k] : 0.0f, bf16, accumulate);
+    }
+}
+
+/* The largest magnitude bits of x[0..n) into *largest (which starts at 0): a grid-stride
+   maximum, warp by warp (the order of a maximum changes nothing). */
+__global__ void cast_largest_magnitude(const unsigned int* __restrict__ x, const long long n,
+                                       const int aligned, unsigned int* __restrict__ largest) {
+    const long long thread = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    unsigned int top = 0u;
+    long long tail = 0;
+    if (aligned) {
+        const long long vectors = n / 4;
+        for (long long j = thread; j < vectors; j += stride) {
+            uint4 w = reinterpret_cast<const uint4*>(x)[j];
+            top = max(top, max(max(w.x & 0x7fffffffu, w.y & 0x7fffffffu),
+                               max(w.z & 0x7fffffffu, w.w & 0x7fffffffu)));
+        }
+        tail = vectors * 4;
+    }
+    for (long long i = tail + thread; i < n; i += stride) top = max(top, x[i] & 0x7fffffffu);
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        top = max(top, __shfl_xor_sync(0xffffffffu, top, offset));
+    }
+    if ((threadIdx.x & 31) == 0 && top) atomicMax(largest, top);
 }
 
 }
@@ -115,20 +207,18 @@ def _module() -> Any:
 
 
 @functools.cache
-def _largest_magnitude_kernel() -> Any:
-    return cupy.ReductionKernel(
-        "uint32 bits",
-        "uint32 largest",
-        "bits & 0x7fffffffu",
-        "max(a, b)",
-        "largest = a",
-        "0",
-        "kvstore_cast_largest_magnitude",
-    )
+def _blocks(device: int) -> int:
+    return 8 * cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+def _aligned(*arrays: Any) -> Any:
+    """1 when every array starts on a 16-byte boundary (float4 / ushort4 access), else 0."""
+    return cupy.int32(all(a.data.ptr % 16 == 0 for a in arrays))
 
 
 def _grid(n: int) -> tuple[int]:
-    return ((n + _BLOCK - 1) // _BLOCK,)
+    """Blocks for four elements per thread."""
+    return ((-(-n // 4) + _BLOCK - 1) // _BLOCK,)
 
 
 def encode(values: Any, residual: Any, out: Any, bf16: bool, overflow: Any) -> int:
@@ -147,11 +237,13 @@ def encode(values: Any, residual: Any, out: Any, bf16: bool, overflow: Any) -> i
     if residual is None:
         overflow.fill(0)
         _module().get_function("cast_encode")(
-            _grid(n), (_BLOCK,), (values, out, cupy.int64(n), fmt, overflow)
+            _grid(n), (_BLOCK,), (values, out, cupy.int64(n), fmt, overflow, _aligned(values, out))
         )
         return int(overflow.get()[0])
     _module().get_function("cast_encode_feedback")(
-        _grid(n), (_BLOCK,), (values, residual, out, cupy.int64(n), fmt)
+        _grid(n),
+        (_BLOCK,),
+        (values, residual, out, cupy.int64(n), fmt, _aligned(values, residual, out)),
     )
     return 0
 
@@ -165,7 +257,14 @@ def decode(codes: Any, out: Any, bf16: bool, accumulate: bool) -> None:
     _module().get_function("cast_decode")(
         _grid(n),
         (_BLOCK,),
-        (codes, out, cupy.int64(n), cupy.int32(1 if bf16 else 0), cupy.int32(int(accumulate))),
+        (
+            codes,
+            out,
+            cupy.int64(n),
+            cupy.int32(1 if bf16 else 0),
+            cupy.int32(int(accumulate)),
+            _aligned(codes, out),
+        ),
     )
 
 
@@ -174,4 +273,11 @@ def largest_magnitude(values: Any) -> int:
     back, which waits for the reduction."""
     if values.size == 0:
         return 0
-    return int(_largest_magnitude_kernel()(values.view(cupy.uint32)))
+    n = int(values.size)
+    largest = cupy.zeros(1, dtype=cupy.uint32)
+    _module().get_function("cast_largest_magnitude")(
+        (min(_blocks(values.device.id), -(-n // (4 * _BLOCK))),),
+        (_BLOCK,),
+        (values.view(cupy.uint32), cupy.int64(n), _aligned(values), largest),
+    )
+    return int(largest.get()[0])

@@ -46,11 +46,21 @@ __device__ __forceinline__ double quant_combine_lanes(double lane_value) {
     return total;
 }
 
-/* The lane sum of v[0..n) computed by one full warp (every thread gets it). */
+/* The lane sum of v[0..n) computed by one full warp (every thread gets it). Each lane loads
+   16 of its terms before adding them in order: one warp alone would otherwise wait for every
+   load in turn (the sum of 100M elements' 24K block sums took 70 us). */
 __device__ __forceinline__ double quant_lane_sum_warp(const double* v, long long n) {
     unsigned int lane = threadIdx.x & 31u;
     double acc = 0.0;
-    for (long long i = lane; i < n; i += 32) {
+    long long i = lane;
+    for (; i + 32 * 15 < n; i += 32 * 16) {
+        double batch[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) batch[u] = v[i + 32 * u];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) acc = __dadd_rn(acc, batch[u]);
+    }
+    for (; i < n; i += 32) {
         acc = __dadd_rn(acc, v[i]);
     }
     return quant_combine_lanes(acc);

@@ -31,7 +31,7 @@ Imported only when a CuPy array is encoded; importing it needs CuPy.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import cupy
 import numpy as np
@@ -39,8 +39,10 @@ import numpy as np
 from kvstore.codecs._cuda_ieee import IEEE_OPS
 from kvstore.codecs.dgc import NORM_BLOCK, clip_scale
 from kvstore.codecs.sparse import RANDOM, THRESHOLD, Accumulation, Selection, accepted_count
+from kvstore.codecs.xp import device_to_host
 
 TILE_THREADS = 256
+_PICK_THREADS = 256  # PICK_THREADS in the source
 TILE_ITEMS = 8
 TILE = TILE_THREADS * TILE_ITEMS
 """Elements per tile (one block of :func:`_flag_pass`); a multiple of 32."""
@@ -57,6 +59,9 @@ _SOURCE = (
 #define TILE (TILE_THREADS * TILE_ITEMS)
 #define WARPS (TILE_THREADS / 32)
 #define WORDS_PER_TILE (TILE / 32)
+#define BOUNDS_GIVEN 0
+#define BOUNDS_SAMPLED 1
+#define BOUNDS_EXACT 2
 
 extern "C" {
 
@@ -118,15 +123,24 @@ __global__ void sparse_update_all(const int kind, float* a, float* b, const floa
 }
 
 /* One tile per block: optionally update, then flag key >= lo ("above") and key == eq
-   ("equal") into two bitmasks (bit i % 32 of word i / 32) and count both per tile. */
+   ("equal") into two bitmasks (bit i % 32 of word i / 32) and count both per tile. With
+   `bounds` BOUNDS_SAMPLED or BOUNDS_EXACT, lo and eq come from the selected key T that
+   sparse_pick left on the device (see those names). */
 __global__ void sparse_flag(const int kind, float* a, float* b, const float* g,
                             const float m, const float s, const int nesterov,
                             const int update, const float* x, const long long n,
-                            const unsigned int lo, const unsigned int eq,
+                            unsigned int lo, unsigned int eq, const int bounds,
+                            const long long* selected_key,
                             unsigned int* above_mask, unsigned int* equal_mask,
                             long long* above_counts, long long* equal_counts) {
     __shared__ int warp_above[WARPS];
     __shared__ int warp_equal[WARPS];
+    if (bounds == BOUNDS_SAMPLED) {  /* key >= T */
+        lo = (unsigned int)selected_key[0];
+    } else if (bounds == BOUNDS_EXACT) {  /* key > T and key == T */
+        eq = (unsigned int)selected_key[0];
+        lo = eq + 1u;
+    }
     const long long tile = blockIdx.x;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -170,11 +184,12 @@ __global__ void sparse_flag(const int kind, float* a, float* b, const float* g,
 }
 
 /* One tile per block of WORDS_PER_TILE threads, one mask word each: write the index of every
-   "above" element and of the first `quota` "equal" ones, at its rank among the selected. */
+   "above" element and of the first `quota` "equal" ones, at its rank among the selected.
+   counts and ends: the tiles' counts and their inclusive running sums, "above" then "equal"
+   (two rows of `tiles`). */
 __global__ void sparse_write(const unsigned int* above_mask, const unsigned int* equal_mask,
-                             const long long* above_before_tile,
-                             const long long* equal_before_tile,
-                             const long long quota, long long* out) {
+                             const long long* counts, const long long* ends,
+                             const long long tiles, const long long quota, long long* out) {
     __shared__ int above_in_word[WORDS_PER_TILE];
     __shared__ int equal_in_word[WORDS_PER_TILE];
     const long long tile = blockIdx.x;
@@ -185,8 +200,8 @@ __global__ void sparse_write(const unsigned int* above_mask, const unsigned int*
     above_in_word[w] = __popc(word_above);
     equal_in_word[w] = __popc(word_equal);
     __syncthreads();
-    long long above_before = above_before_tile[tile];
-    long long equal_before = equal_before_tile[tile];
+    long long above_before = ends[tile] - counts[tile];  /* tiles before this one */
+    long long equal_before = ends[tiles + tile] - counts[tiles + tile];
     for (int v = 0; v < w; ++v) {
         above_before += above_in_word[v];
         equal_before += equal_in_word[v];
@@ -204,12 +219,15 @@ __global__ void sparse_write(const unsigned int* above_mask, const unsigned int*
     }
 }
 
-/* Histogram of one radix level over the keys of x whose bits above `above` equal `prefix`.
-   Magnitudes crowd into few bins, so the lanes of a warp that share a bin add once. */
+/* Histogram of one radix level over the keys of x whose bits above `above` equal the prefix
+   found so far (selected_key[0]; none at the first level). Magnitudes crowd into few bins, so
+   the lanes of a warp that share a bin add once. */
 __global__ void sparse_histogram(const float* x, const long long n, const unsigned int above,
-                                 const unsigned int prefix, const unsigned int shift,
-                                 const unsigned int mask, unsigned long long* hist) {
+                                 const long long* selected_key, const int first,
+                                 const unsigned int shift, const unsigned int mask,
+                                 unsigned long long* hist) {
     __shared__ unsigned int counts[2048];
+    const unsigned int prefix = first ? 0u : (unsigned int)selected_key[0];
     for (int b = threadIdx.x; b < 2048; b += blockDim.x) counts[b] = 0u;
     __syncthreads();
     const int lane = threadIdx.x & 31;
@@ -232,14 +250,66 @@ __global__ void sparse_histogram(const float* x, const long long n, const unsign
     }
 }
 
+/* One block of PICK_THREADS threads after each histogram level: the bin (counted from the top)
+   that holds the need-th largest key, found by a scan of the bins from the top, is appended to
+   the prefix, and need becomes its rank within that bin: selected_key = [prefix, need] (at the
+   first level, need starts at k). The same choice as the host's cumulative-sum search. */
+#define PICK_THREADS 256
+#define PICK_RUN 8  /* bins per thread: PICK_THREADS * PICK_RUN >= 2048 */
+__global__ void sparse_pick(const unsigned long long* hist, const int nbins, const int bits,
+                            long long* selected_key, const int first, const long long k) {
+    __shared__ unsigned long long sums[PICK_THREADS];
+    const int t = threadIdx.x;
+    const unsigned long long need = first ? (unsigned long long)k
+                                          : (unsigned long long)selected_key[1];
+    const unsigned long long prefix = first ? 0ull : (unsigned long long)selected_key[0];
+    unsigned long long run[PICK_RUN];
+    unsigned long long mine = 0ull;
+#pragma unroll
+    for (int u = 0; u < PICK_RUN; ++u) {
+        const int from_top = PICK_RUN * t + u;
+        run[u] = from_top < nbins ? hist[nbins - 1 - from_top] : 0ull;
+        mine += run[u];
+    }
+    sums[t] = mine;
+    __syncthreads();
+    for (int offset = 1; offset < PICK_THREADS; offset <<= 1) {  /* inclusive scan */
+        const unsigned long long add = t >= offset ? sums[t - offset] : 0ull;
+        __syncthreads();
+        sums[t] += add;
+        __syncthreads();
+    }
+    unsigned long long below = t ? sums[t - 1] : 0ull;
+    if (below < need && need <= sums[t]) {  /* the crossing is in this thread's run */
+        for (int u = 0; u < PICK_RUN; ++u) {
+            if (below + run[u] >= need) {
+                const unsigned long long bin = (unsigned long long)(nbins - 1 - (PICK_RUN * t + u));
+                selected_key[0] = (long long)((prefix << bits) | bin);
+                selected_key[1] = (long long)(need - below);
+                break;
+            }
+            below += run[u];
+        }
+    }
+}
+
+/* values[j] = x[idx[j]], then zero it (and other's); local[j] = idx[j] - the start of its
+   chunk (starts: the nchunks chunk starts, ascending, starts[0] == 0). */
 __global__ void sparse_take(float* x, float* other, const int clear_other,
-                            const long long* idx, const long long count, float* values) {
+                            const long long* idx, const long long count, float* values,
+                            const long long* starts, const int nchunks, unsigned int* local) {
     long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= count) return;
     long long i = idx[j];
     values[j] = x[i];
     x[i] = 0.0f;
     if (clear_other) other[i] = 0.0f;
+    int lo = 0, hi = nchunks;  /* the last chunk starting at or before i */
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (starts[mid] <= i) lo = mid; else hi = mid;
+    }
+    local[j] = (unsigned int)(i - starts[lo]);
 }
 
 __device__ __forceinline__ unsigned int sparse_hash32(unsigned int x) {
@@ -358,22 +428,32 @@ def _sum_of_squares(grad: Any) -> float:
     return float(np.cumsum(partials.get())[-1])
 
 
-def _pick(hist: np.ndarray, need: int) -> tuple[int, int]:
-    """The bin (from the top) holding the ``need``-th largest entry, and its rank within it."""
-    from_top = np.cumsum(hist[::-1])
-    position = int(np.searchsorted(from_top, need))  # first cumulative count >= need
-    below = int(from_top[position - 1]) if position else 0
-    return hist.size - 1 - position, need - below
+_BOUNDS_GIVEN, _BOUNDS_SAMPLED, _BOUNDS_EXACT = 0, 1, 2  # as BOUNDS_* in the source
 
 
-def _kth_largest(x: Any, k: int) -> tuple[int, int]:
-    """The key of the ``k``-th largest ``abs(x)`` and how many entries of that key the top ``k``
-    hold (as :func:`kvstore.codecs._sparse_numba.kth_largest`)."""
+class _Flags(NamedTuple):
+    """What :func:`_flag_pass` leaves: the masks, the tiles' counts and running sums (rows:
+    "above", "equal"), the totals, and the selected key's quota (exact top-k)."""
+
+    above_mask: Any
+    equal_mask: Any
+    counts: Any
+    ends: Any
+    above: int
+    equal: int
+    quota: int
+
+
+def _select_key(x: Any, k: int, selected_key: Any) -> None:
+    """Leave in ``selected_key`` (int64 [2], device) the key T of the ``k``-th largest
+    ``abs(x)`` and how many entries of key T the top ``k`` hold (as
+    :func:`kvstore.codecs._sparse_numba.kth_largest`): three radix levels, each a histogram and
+    a one-block pick, all on the device (no host round trip)."""
     n = int(x.size)
-    hist = cupy.zeros(2048, dtype=cupy.uint64)
+    hist = cupy.empty(2048, dtype=cupy.uint64)
     grid = min(_blocks(n), _histogram_blocks(x.device.id))
-    prefix, need = 0, k
-    for shift, bits in _LEVELS:
+    for level, (shift, bits) in enumerate(_LEVELS):
+        first = cupy.int32(level == 0)
         hist.fill(0)
         _kernel("sparse_histogram")(
             (grid,),
@@ -382,27 +462,30 @@ def _kth_largest(x: Any, k: int) -> tuple[int, int]:
                 x,
                 cupy.int64(n),
                 cupy.uint32(shift + bits),
-                cupy.uint32(prefix),
+                selected_key,
+                first,
                 cupy.uint32(shift),
                 cupy.uint32((1 << bits) - 1),
                 hist,
             ),
         )
-        counts = hist.get()[: 1 << bits].astype(np.int64)
-        bin_, need = _pick(counts, need)
-        prefix = (prefix << bits) | bin_
-    return prefix, need
+        _kernel("sparse_pick")(
+            (1,),
+            (_PICK_THREADS,),
+            (hist, cupy.int32(1 << bits), cupy.int32(bits), selected_key, first, cupy.int64(k)),
+        )
 
 
-def _flag_pass(update: tuple, do_update: bool, x: Any, lo: int, eq: int) -> tuple:
-    """Flag (and optionally update) every element; returns the masks, the tiles' exclusive
-    offsets and the totals of "above" and "equal" elements."""
+def _flag_pass(
+    update: tuple, do_update: bool, x: Any, bounds: int, selected_key: Any, lo: int = 0
+) -> _Flags:
+    """Flag (and optionally update) every element against ``lo`` (``bounds`` given) or the
+    key in ``selected_key``; one host round trip brings back the totals and the quota."""
     n = int(x.size)
     tiles = -(-n // TILE)
     above_mask = cupy.empty(tiles * _WORDS_PER_TILE, dtype=cupy.uint32)
     equal_mask = cupy.empty(tiles * _WORDS_PER_TILE, dtype=cupy.uint32)
-    above_counts = cupy.empty(tiles, dtype=cupy.int64)
-    equal_counts = cupy.empty(tiles, dtype=cupy.int64)
+    counts = cupy.empty((2, tiles), dtype=cupy.int64)
     _kernel("sparse_flag")(
         (tiles,),
         (TILE_THREADS,),
@@ -412,63 +495,88 @@ def _flag_pass(update: tuple, do_update: bool, x: Any, lo: int, eq: int) -> tupl
             x,
             cupy.int64(n),
             cupy.uint32(lo),
-            cupy.uint32(eq),
+            cupy.uint32(_NO_KEY),
+            cupy.int32(bounds),
+            selected_key,
             above_mask,
             equal_mask,
-            above_counts,
-            equal_counts,
+            counts[0],
+            counts[1],
         ),
     )
-    above_ends = cupy.cumsum(above_counts)
-    equal_ends = cupy.cumsum(equal_counts)
-    totals = cupy.stack([above_ends[-1], equal_ends[-1]]).get()
-    return (
-        above_mask,
-        equal_mask,
-        above_ends - above_counts,
-        equal_ends - equal_counts,
-        int(totals[0]),
-        int(totals[1]),
+    ends = cupy.cumsum(counts, axis=1)
+    totals = cupy.concatenate((ends[:, -1], selected_key[1:])).get()
+    return _Flags(
+        above_mask, equal_mask, counts, ends, int(totals[0]), int(totals[1]), int(totals[2])
     )
 
 
-def _write(flags: tuple, quota: int) -> Any:
+def _write(flags: _Flags, quota: int) -> Any:
     """The ascending indices of the flagged "above" elements and the first ``quota`` "equal"
     ones."""
-    above_mask, equal_mask, above_before, equal_before, above, equal = flags
-    count = above + min(quota, equal)
+    count = flags.above + min(quota, flags.equal)
     out = cupy.empty(count, dtype=cupy.int64)
     if count:
-        tiles = int(above_before.size)
+        tiles = int(flags.counts.shape[1])
         _kernel("sparse_write")(
             (tiles,),
             (_WORDS_PER_TILE,),
-            (above_mask, equal_mask, above_before, equal_before, cupy.int64(quota), out),
+            (
+                flags.above_mask,
+                flags.equal_mask,
+                flags.counts,
+                flags.ends,
+                cupy.int64(tiles),
+                cupy.int64(quota),
+                out,
+            ),
         )
     return out
 
 
-def _exact(update: tuple, x: Any, k: int) -> Any:
+def _exact(update: tuple, x: Any, k: int, selected_key: Any) -> Any:
     """Exact top-k of the already updated ``x`` (ties: lower index first)."""
-    key, quota = _kth_largest(x, k)
-    return _write(_flag_pass(update, False, x, key + 1, key), quota)
+    _select_key(x, k, selected_key)
+    flags = _flag_pass(update, False, x, _BOUNDS_EXACT, selected_key)
+    return _write(flags, flags.quota)
 
 
-def _take(x: Any, other: Any, clear_other: bool, indices: Any, buffers: Any) -> int:
-    """Gather ``x[indices]``, zero them (and ``other``'s), copy both to the host buffers."""
+def _take(
+    x: Any, other: Any, clear_other: bool, indices: Any, starts: Any, buffers: Any
+) -> np.ndarray:
+    """Gather ``x[indices]``, zero them (and ``other``'s), and copy the values and the
+    chunk-local indices to the host buffers; returns the chunk cuts (``nchunks + 1``: where
+    each chunk's share of the ascending selection starts, then the count)."""
     count = int(indices.size)
     buffers.ensure(count)
+    nchunks = int(starts.size)
+    cuts = np.full(nchunks + 1, count, dtype=np.int64)
     if count == 0:
-        return 0
+        cuts[:] = 0
+        return cuts
     values = cupy.empty(count, dtype=cupy.float32)
+    local = cupy.empty(count, dtype=cupy.uint32)
     _kernel("sparse_take")(
         (_blocks(count),),
         (_THREADS,),
-        (x, other, cupy.int32(1 if clear_other else 0), indices, cupy.int64(count), values),
+        (
+            x,
+            other,
+            cupy.int32(1 if clear_other else 0),
+            indices,
+            cupy.int64(count),
+            values,
+            starts,
+            cupy.int32(nchunks),
+            local,
+        ),
     )
-    indices.get(out=buffers.indices[:count])
-    values.get(out=buffers.values[:count])
-    return count
+    first_of_chunk = cupy.searchsorted(indices, starts)
+    # through device_to_host, so the copies are counted as the push's D2H, not as its encode
+    device_to_host(local, buffers.local[:count])
+    device_to_host(values, buffers.values[:count])
+    device_to_host(first_of_chunk, cuts[:nchunks])
+    return cuts
 
 
 def scatter_add(out: Any, indices: np.ndarray, values: np.ndarray) -> None:
@@ -491,19 +599,23 @@ def encode(
     selection: Selection,
     acc: Accumulation,
     buffers: Any,
-) -> int:
+    starts: Any,
+) -> np.ndarray:
     """One push of a key on the device: update ``state`` (CuPy arrays) with ``grad``, select,
-    and put the selected (global indices, values) into ``buffers`` (host); returns how many."""
+    and put the selection into ``buffers`` (host): chunk-local uint32 indices in ``local``,
+    values in ``values``, ascending by global index; ``starts`` are the chunk starts (int64,
+    device). Returns the chunk cuts (see :func:`_take`)."""
     n = int(grad.size)
     if n == 0:
-        return 0
+        return np.zeros(int(starts.size) + 1, dtype=np.int64)
     update = _update_args(state, names, grad, acc)
     a, x = update[1], update[2]
     dgc = acc.momentum is not None
+    selected_key = cupy.zeros(2, dtype=cupy.int64)
     if selection.kind == THRESHOLD:
         lo = int(np.array([selection.threshold], np.float32).view(np.uint32)[0])
-        indices = _write(_flag_pass(update, True, x, lo, _NO_KEY), 0)
-        return _take(x, a, dgc, indices, buffers)
+        flags = _flag_pass(update, True, x, _BOUNDS_GIVEN, selected_key, lo)
+        return _take(x, a, dgc, _write(flags, 0), starts, buffers)
     if selection.kind == RANDOM:
         _kernel("sparse_update_all")((_blocks(n),), (_THREADS,), (*update, cupy.int64(n)))
         k = selection.k
@@ -519,12 +631,12 @@ def encode(
                 chosen,
             ),
         )
-        return _take(x, a, dgc, cupy.sort(chosen), buffers)
+        return _take(x, a, dgc, cupy.sort(chosen), starts, buffers)
     k = selection.k
     plan = selection.sample
     if plan is None:
         _kernel("sparse_update_all")((_blocks(n),), (_THREADS,), (*update, cupy.int64(n)))
-        return _take(x, a, dgc, _exact(update, x, k), buffers)
+        return _take(x, a, dgc, _exact(update, x, k, selected_key), starts, buffers)
     samples = cupy.empty(plan.count, dtype=cupy.float32)
     _kernel("sparse_sample")(
         (_blocks(plan.count),),
@@ -537,13 +649,13 @@ def encode(
             samples,
         ),
     )
-    thr_key, _ = _kth_largest(samples, plan.top)
-    flags = _flag_pass(update, True, x, thr_key, _NO_KEY)
-    if accepted_count(flags[4], k):
+    _select_key(samples, plan.top, selected_key)
+    flags = _flag_pass(update, True, x, _BOUNDS_SAMPLED, selected_key)
+    if accepted_count(flags.above, k):
         indices = _write(flags, 0)
     else:  # too many or too few: the exact top-k (the same as among the candidates)
-        indices = _exact(update, x, k)
-    return _take(x, a, dgc, indices, buffers)
+        indices = _exact(update, x, k, selected_key)
+    return _take(x, a, dgc, indices, starts, buffers)
 
 
 __all__ = ["encode"]

@@ -9,12 +9,16 @@ One push, on the device, without a host round trip:
   order; :func:`quant_combine_lanes` adds the lanes in order) and its largest magnitude (the
   bits of ``abs(x)``: non-negative floats order like their bits). ``terngrad_finish``, one
   warp, lane-sums the block sums, takes the largest magnitude and writes ``s`` into the scales
-  frame; ``terngrad_codes`` reads ``s`` there, one thread per code byte (four elements).
+  frame; ``terngrad_codes`` reads ``s`` there, one thread per four code bytes (16 elements,
+  four ``float4`` loads and one 32-bit store).
 * **qsgd**: ``qsgd_partials`` gives one warp to each (bucket, ``SUM_BLOCK`` block of it) for
   the lane sum of squares; ``qsgd_norms``, one warp per bucket, lane-sums a bucket's partial
   sums (a bucket of one block has one, which is its sum) and writes the norm into the scales
   frame and ``levels / norm`` into a scratch array; ``qsgd_codes`` gives one thread to each
-  group of eight codes (``width`` bytes).
+  group of eight codes (``width`` bytes; two ``float4`` loads).
+
+The per-block sums load eight terms per lane before adding them in order, so a warp waits for
+memory once per eight terms rather than once per term.
 
 CuPy compiles with ``-ftz=true`` (subnormal inputs and results of float32 operations flushed
 to zero) and NVRTC contracts ``a*b + c``, so every float32 operation whose bits matter goes
@@ -82,13 +86,20 @@ __global__ void terngrad_stats(const float* __restrict__ g, const long long n,
     long long stop = min(n, (b + 1) * SUM_BLOCK);
     double s1 = 0.0, s2 = 0.0;
     unsigned int top = 0u;
-    for (long long i = b * SUM_BLOCK + lane; i < stop; i += 32) {
-        float x = g[i];
-        top = max(top, magnitude_key(x));
-        if (moments) {
-            double w = ieee_widen(x);
-            s1 = __dadd_rn(s1, w);
-            s2 = __dadd_rn(s2, __dmul_rn(w, w));
+    long long i = b * SUM_BLOCK + lane;
+    for (; i < stop; i += 32 * 8) {  /* eight loads in flight, then the terms in order */
+        float xs[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) xs[u] = i + 32 * u < stop ? g[i + 32 * u] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            if (i + 32 * u >= stop) break;
+            top = max(top, magnitude_key(xs[u]));
+            if (moments) {
+                double w = ieee_widen(xs[u]);
+                s1 = __dadd_rn(s1, w);
+                s2 = __dadd_rn(s2, __dmul_rn(w, w));
+            }
         }
     }
     top = stochastic_warp_max(top);
@@ -107,7 +118,15 @@ __global__ void terngrad_finish(const double* __restrict__ sums,
                                 const unsigned int* __restrict__ tops, const long long nblocks,
                                 const long long n, const double clip, float* __restrict__ scale) {
     unsigned int top = 0u;
-    for (long long i = threadIdx.x; i < nblocks; i += 32) top = max(top, tops[i]);
+    long long i = threadIdx.x;
+    for (; i + 32 * 15 < nblocks; i += 32 * 16) {  /* 16 loads in flight (order-free) */
+        unsigned int batch[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) batch[u] = tops[i + 32 * u];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) top = max(top, batch[u]);
+    }
+    for (; i < nblocks; i += 32) top = max(top, tops[i]);
     top = stochastic_warp_max(top);
     double s1 = quant_lane_sum_warp(sums, nblocks);
     double s2 = quant_lane_sum_warp(squares, nblocks);
@@ -123,29 +142,62 @@ __global__ void terngrad_finish(const double* __restrict__ sums,
     scale[0] = __uint_as_float(top);  /* 0 bits: +0.0 */
 }
 
-/* One thread per code byte (elements 4j .. 4j+3). */
+/* The 2-bit code of element i (value bits x_bits) against the scale s (bits s_bits != 0). */
+__device__ __forceinline__ unsigned int terngrad_code(unsigned int x_bits, float s,
+                                                      unsigned int s_bits, unsigned int lo,
+                                                      unsigned int hi, unsigned long long i) {
+    unsigned int clipped = min(x_bits & 0x7fffffffu, s_bits);
+    float u = quant_uniform(lo, hi, i);
+    if (__float_as_uint(ieee_mul(u, s)) < clipped) {  /* u * s >= +0.0 */
+        return (x_bits >> 31) ? 2u : 1u;
+    }
+    return 0u;
+}
+
+/* One thread per four code bytes (elements 16t .. 16t+15): four float4 loads and one 32-bit
+   store when g and out are aligned for them (`aligned`), else element by element and byte by
+   byte. */
 __global__ void terngrad_codes(const float* __restrict__ g, const long long n,
                                const float* __restrict__ scale, const unsigned int lo,
                                const unsigned int hi, const unsigned long long start,
-                               unsigned char* __restrict__ out, const long long nbytes) {
-    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= nbytes) return;
+                               unsigned char* __restrict__ out, const long long nbytes,
+                               const int aligned) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long first = 16 * t;
+    if (first >= n) return;
     float s = scale[0];
     unsigned int s_bits = __float_as_uint(s);
-    unsigned int byte = 0u;
+    unsigned int word = 0u;
     if (s_bits != 0u) {
-        for (int e = 0; e < 4; ++e) {
-            long long i = 4 * j + e;
-            if (i >= n) break;
-            unsigned int x_bits = __float_as_uint(g[i]);
-            unsigned int clipped = min(x_bits & 0x7fffffffu, s_bits);
-            float u = quant_uniform(lo, hi, start + (unsigned long long)i);
-            if (__float_as_uint(ieee_mul(u, s)) < clipped) {  /* u * s >= +0.0 */
-                byte |= ((x_bits >> 31) ? 2u : 1u) << (2 * e);
+        unsigned int xs[16];
+        if (aligned && first + 16 <= n) {
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                float4 q = reinterpret_cast<const float4*>(g)[4 * t + v];
+                xs[4 * v] = __float_as_uint(q.x);
+                xs[4 * v + 1] = __float_as_uint(q.y);
+                xs[4 * v + 2] = __float_as_uint(q.z);
+                xs[4 * v + 3] = __float_as_uint(q.w);
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 16; ++e) xs[e] = first + e < n ? __float_as_uint(g[first + e]) : 0u;
+        }
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+            if (first + e < n) {
+                word |= terngrad_code(xs[e], s, s_bits, lo, hi,
+                                      start + (unsigned long long)(first + e)) << (2 * e);
             }
         }
     }
-    out[j] = (unsigned char)byte;
+    if (aligned && 4 * t + 4 <= nbytes) {
+        reinterpret_cast<unsigned int*>(out)[t] = word;
+    } else {
+        for (int b = 0; b < 4 && 4 * t + b < nbytes; ++b) {
+            out[4 * t + b] = (unsigned char)(word >> (8 * b));
+        }
+    }
 }
 
 /* One warp per (bucket, SUM_BLOCK block of it): the lane sum of x*x (float64). */
@@ -159,9 +211,16 @@ __global__ void qsgd_partials(const float* __restrict__ v, const long long n,
     long long first = q * bucket + (w % nsub) * SUM_BLOCK;
     long long stop = min(min(n, (q + 1) * bucket), first + SUM_BLOCK);
     double acc = 0.0;
-    for (long long i = first + lane; i < stop; i += 32) {
-        double x = ieee_widen(v[i]);
-        acc = __dadd_rn(acc, __dmul_rn(x, x));
+    for (long long i = first + lane; i < stop; i += 32 * 8) {  /* eight loads in flight */
+        float xs[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) xs[u] = i + 32 * u < stop ? v[i + 32 * u] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            if (i + 32 * u >= stop) break;
+            double x = ieee_widen(xs[u]);
+            acc = __dadd_rn(acc, __dmul_rn(x, x));
+        }
     }
     acc = quant_combine_lanes(acc);
     if (lane == 0) partials[w] = acc;
@@ -182,26 +241,50 @@ __global__ void qsgd_norms(const double* __restrict__ partials, const long long 
     }
 }
 
-/* One thread per group of eight codes (`width` bytes). */
+/* One thread per group of eight codes (`width` bytes): two float4 loads when v is aligned
+   (`aligned`); the bucket (and its norm) is found once per group and stepped at its end. */
 __global__ void qsgd_codes(const float* __restrict__ v, const long long n,
                            const long long bucket, const float* __restrict__ norms,
                            const float* __restrict__ inverses, const int levels,
                            const unsigned int lo, const unsigned int hi,
                            const unsigned long long start, const int width,
                            unsigned char* __restrict__ out, const long long nbytes,
-                           const long long ngroups) {
+                           const long long ngroups, const int aligned) {
     long long group = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (group >= ngroups) return;
     const float top = (float)levels;
+    const long long first = 8 * group;
+    unsigned int xs[8];
+    if (aligned && first + 8 <= n) {
+        float4 a = reinterpret_cast<const float4*>(v)[2 * group];
+        float4 b = reinterpret_cast<const float4*>(v)[2 * group + 1];
+        xs[0] = __float_as_uint(a.x); xs[1] = __float_as_uint(a.y);
+        xs[2] = __float_as_uint(a.z); xs[3] = __float_as_uint(a.w);
+        xs[4] = __float_as_uint(b.x); xs[5] = __float_as_uint(b.y);
+        xs[6] = __float_as_uint(b.z); xs[7] = __float_as_uint(b.w);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) xs[k] = first + k < n ? __float_as_uint(v[first + k]) : 0u;
+    }
+    long long q = first / bucket;
+    long long bucket_end = (q + 1) * bucket;
+    float norm = norms[q];
+    float inverse = inverses[q];
     unsigned long long word = 0ull;
+#pragma unroll
     for (int k = 0; k < 8; ++k) {
-        long long i = 8 * group + k;
+        long long i = first + k;
         if (i >= n) break;
-        long long q = i / bucket;
+        if (i >= bucket_end) {  /* the next bucket (at most one step per element) */
+            ++q;
+            bucket_end += bucket;
+            norm = norms[q];
+            inverse = inverses[q];
+        }
         unsigned int code = 0u;
-        if (__float_as_uint(norms[q]) != 0u) {
-            unsigned int x_bits = __float_as_uint(v[i]);
-            float x = ieee_mul(__uint_as_float(x_bits & 0x7fffffffu), inverses[q]);
+        if (__float_as_uint(norm) != 0u) {
+            unsigned int x_bits = xs[k];
+            float x = ieee_mul(__uint_as_float(x_bits & 0x7fffffffu), inverse);
             float t = ieee_add(x, quant_uniform(lo, hi, start + (unsigned long long)i));
             /* min(floor(t), L); NaN (0 * inf) -> 0. t >= 1 here, so no subnormal is compared. */
             int level = t >= top ? levels : (t >= 1.0f ? (int)t : 0);
@@ -256,8 +339,9 @@ def terngrad_encode(
         (sums, squares, tops, cupy.int64(nblocks), cupy.int64(n), cupy.float64(clip), scale),
     )
     nbytes = int(packed.size)
+    aligned = grad.data.ptr % 16 == 0 and packed.data.ptr % 4 == 0
     _kernel("terngrad_codes")(
-        _grid(nbytes, _THREADS),
+        _grid(-(-n // 16), _THREADS),
         (_THREADS,),
         (
             grad,
@@ -268,6 +352,7 @@ def terngrad_encode(
             cupy.uint64(start),
             packed,
             cupy.int64(nbytes),
+            cupy.int32(aligned),
         ),
     )
 
@@ -330,5 +415,6 @@ def qsgd_encode(
             packed,
             cupy.int64(int(packed.size)),
             cupy.int64(ngroups),
+            cupy.int32(values.data.ptr % 16 == 0),
         ),
     )

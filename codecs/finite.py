@@ -14,13 +14,12 @@ update residuals and the transport sends chunks as they are encoded, so a check 
 bit for bit. One read-only pass keeps a refused push all-or-nothing.
 
 Implementations (same count on any input): :func:`count_reference` (numpy), the numba kernel
-(the default; ``KVSTORE_CPU_KERNELS=numpy`` selects the reference), and a CuPy reduction for GPU
-arrays.
+(the default; ``KVSTORE_CPU_KERNELS=numpy`` selects the reference), and a CUDA kernel for
+CuPy arrays (:mod:`kvstore.codecs._finite_cuda`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -41,21 +40,6 @@ def count_reference(bits: np.ndarray, mask: Any) -> int:
     return int(np.count_nonzero((bits & mask) == mask))
 
 
-@functools.cache
-def _cupy_kernel() -> Any:
-    import cupy  # noqa: PLC0415
-
-    return cupy.ReductionKernel(
-        "T bits, T mask",
-        "int64 count",
-        "(bits & mask) == mask ? 1 : 0",
-        "a + b",
-        "count = a",
-        "0",
-        "kvstore_count_nonfinite",
-    )
-
-
 def count_nonfinite(values: Any, *, kernels: str | None = None) -> int:
     """How many elements of ``values`` are NaN or infinite (0 for integer dtypes).
 
@@ -69,8 +53,9 @@ def count_nonfinite(values: Any, *, kernels: str | None = None) -> int:
         return 0
     unsigned, mask = found
     if is_cupy_array(values):
-        # One reduction and one scalar back (which waits for the kernel, on the value's stream).
-        return int(_cupy_kernel()(values.view(unsigned), unsigned(mask)))
+        from kvstore.codecs import _finite_cuda  # noqa: PLC0415
+
+        return _finite_cuda.count_nonfinite(values.view(unsigned), mask)
     bits = values.view(unsigned)
     if (cpu_kernels_from_env() if kernels is None else kernels) == "numba":
         from kvstore.codecs import _finite_numba  # noqa: PLC0415  (compiles on first use)

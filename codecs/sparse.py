@@ -474,6 +474,7 @@ class SparseKeyEncoder(KeyEncoder):
             import cupy  # noqa: PLC0415
 
             self.state = {n: cupy.zeros(numel, dtype=cupy.float32) for n in codec.state_names}
+            self._device_starts = cupy.asarray([a for a, _ in self.bounds], dtype=cupy.int64)
         else:
             self.state = {n: np.zeros(numel, dtype=np.float32) for n in codec.state_names}
         self.buffers = _PayloadBuffers(pinned=self.on_gpu)
@@ -518,10 +519,18 @@ class SparseKeyEncoder(KeyEncoder):
         if self.on_gpu:
             from kvstore.codecs import _sparse_cuda  # noqa: PLC0415
 
-            count = _sparse_cuda.encode(
-                self.state, self.codec.state_names, values, selection, accumulation, self.buffers
+            self._cuts[:] = _sparse_cuda.encode(
+                self.state,
+                self.codec.state_names,
+                values,
+                selection,
+                accumulation,
+                self.buffers,
+                self._device_starts,
             )
-        elif self._compiled:
+            self.step += 1
+            return
+        if self._compiled:
             count = _encode_compiled(self, values, selection, accumulation)
         else:
             indices, picked = self.codec.reference(self.state, values, selection)

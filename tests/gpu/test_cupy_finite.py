@@ -23,4 +23,7 @@ def test_gpu_count_matches_the_cpu(dtype):
             x[spots] = rng.choice(np.array([np.nan, np.inf, -np.inf, 1.0], dtype), spots.size)
         expected = count_nonfinite(x, kernels="numpy")
         assert count_nonfinite(x, kernels="numba") == expected
-        assert count_nonfinite(cupy.asarray(x)) == expected
+        on_gpu = cupy.asarray(x)
+        assert count_nonfinite(on_gpu) == expected
+        for offset in (1, 3):  # views that are not 16-byte aligned, and their vector tails
+            assert count_nonfinite(on_gpu[offset:]) == count_nonfinite(x[offset:], kernels="numpy")
