@@ -96,10 +96,14 @@ __device__ __forceinline__ unsigned short cast_feedback_one(float value, float* 
 /* Each kernel gives a thread four elements: one float4 (and one ushort4 of codes) when the
    arrays are aligned for it (`aligned`), else, and for the last partial group, one by one. */
 
+/* overflow: the two report slots; this push raises overflow[slot] (zeroed by the push
+   before) and zeroes the other one for the next push, so no launch clears it. */
 __global__ void cast_encode(const float* __restrict__ values, unsigned short* __restrict__ out,
-                            const long long n, const int bf16,
-                            unsigned int* __restrict__ overflow, const int aligned) {
+                            const long long n, const int bf16, unsigned int* __restrict__ reports,
+                            const int slot, const int aligned) {
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t == 0) reports[1 - slot] = 0u;
+    unsigned int* overflow = reports + slot;
     long long i = 4 * t;
     if (i >= n) return;
     if (aligned && i + 4 <= n) {
@@ -221,25 +225,45 @@ def _grid(n: int) -> tuple[int]:
     return ((-(-n // 4) + _BLOCK - 1) // _BLOCK,)
 
 
-def encode(values: Any, residual: Any, out: Any, bf16: bool, overflow: Any) -> int:
+class OverflowReports:
+    """The device scratch of an encoder's overflow reports: two uint32 slots used in turn, each
+    push's kernel zeroing the slot the next push reports into (no clearing launch)."""
+
+    def __init__(self) -> None:
+        self.slots = cupy.zeros(2, dtype=cupy.uint32)
+        self.slot = 0
+
+
+def encode(values: Any, residual: Any, out: Any, bf16: bool, reports: Any) -> int:
     """Encode float32 ``values`` [n] into the uint16 patterns ``out`` [n]; with error feedback
     when ``residual`` (float32 [n], updated) is given.
 
     Returns:
         Without error feedback, the largest magnitude (float32 bits) among the elements that
-        rounded past the format's range, 0 if none (``overflow``: a uint32 [1] device scratch;
-        reading it waits for the kernel); with error feedback, 0.
+        rounded past the format's range, 0 if none (``reports``: the encoder's
+        :class:`OverflowReports`; reading the slot waits for the kernel); with error feedback, 0.
     """
     n = int(values.size)
     if n == 0:
         return 0
     fmt = cupy.int32(1 if bf16 else 0)
     if residual is None:
-        overflow.fill(0)
+        slot = reports.slot
         _module().get_function("cast_encode")(
-            _grid(n), (_BLOCK,), (values, out, cupy.int64(n), fmt, overflow, _aligned(values, out))
+            _grid(n),
+            (_BLOCK,),
+            (
+                values,
+                out,
+                cupy.int64(n),
+                fmt,
+                reports.slots,
+                cupy.int32(slot),
+                _aligned(values, out),
+            ),
         )
-        return int(overflow.get()[0])
+        reports.slot = 1 - slot
+        return int(reports.slots[slot].get())
     _module().get_function("cast_encode_feedback")(
         _grid(n),
         (_BLOCK,),

@@ -1,15 +1,18 @@
 """CUDA source shared by the quantizing codecs' CuPy kernels (``_sign_cuda``, ``_stochastic_cuda``,
-``_cast_cuda``): the counter generator, the warp form of the blocked lane sum, and code packing,
-bit for bit as :mod:`kvstore.codecs.quantize` and :mod:`kvstore.codecs.counter_rng` define them.
+``_cast_cuda``): the counter generator, the warp and block forms of the blocked lane sum, and
+code packing, bit for bit as :mod:`kvstore.codecs.quantize` and
+:mod:`kvstore.codecs.counter_rng` define them.
 
 Prepend :data:`QUANT_OPS` (it includes :data:`~kvstore.codecs._cuda_ieee.IEEE_OPS`) to a
 kernel's source. The blocked lane sum maps one block of ``SUM_BLOCK`` elements to one warp:
 thread ``l`` sums its lane (elements ``l, l + 32, ...`` of the block: the warp's loads are
 coalesced) in order from ``+0.0``, and :func:`quant_combine_lanes` adds the 32 lane sums in
-lane order. The block sums are lane-summed again by one warp (:func:`quant_lane_sum_warp`), on
-the device, so a kernel that needs a chunk's scale reads it from device memory instead of
-waiting for the host. float64 adds go through ``__dadd_rn`` (never contracted); products of two
-float32 are exact in float64, so contraction could not change them anyway.
+lane order. The block sums are lane-summed again on the device, by one warp
+(``quant_lane_sum_warp``) or, for a chunk of many blocks, by one block that stages them in
+shared memory for its first warp (``quant_lane_sums_block``), so a kernel that needs a chunk's
+scale reads it from device memory instead of waiting for the host. float64 adds go through
+``__dadd_rn`` (never contracted); products of two float32 are exact in float64, so
+contraction could not change them anyway.
 
 Importing this module does not need CuPy.
 """
@@ -64,6 +67,43 @@ __device__ __forceinline__ double quant_lane_sum_warp(const double* v, long long
         acc = __dadd_rn(acc, v[i]);
     }
     return quant_combine_lanes(acc);
+}
+
+/* The lane sums of K arrays of n terms each (out[k] = quant_lane_sum_warp(v[k], n), bit for
+   bit), computed by a whole block (blockDim.x a multiple of 32,
+   at most QUANT_STAGE): every thread stages QUANT_STAGE terms of each array into shared memory
+   at a time (all their loads in flight together), then warp 0 adds them, lane l the terms
+   l, l + 32, ... in order (QUANT_STAGE is a multiple of 32, so a term keeps its lane). One warp
+   alone waited on memory for each batch it loaded: 0.2 ms for three arrays of 24K terms (100M
+   elements) on an H200. The sums are returned in every thread of warp 0. */
+#define QUANT_STAGE 1024
+template <int K>
+__device__ __forceinline__ void quant_lane_sums_block(const double* const (&v)[K], long long n,
+                                                      double (&out)[K]) {
+    __shared__ double stage[K][QUANT_STAGE];
+    const unsigned int lane = threadIdx.x & 31u;
+    double acc[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] = 0.0;
+    for (long long base = 0; base < n; base += QUANT_STAGE) {
+        const long long count = min((long long)QUANT_STAGE, n - base);
+        for (long long t = threadIdx.x; t < count; t += blockDim.x) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) stage[k][t] = v[k][base + t];
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            for (long long t = lane; t < count; t += 32) {
+#pragma unroll
+                for (int k = 0; k < K; ++k) acc[k] = __dadd_rn(acc[k], stage[k][t]);
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < 32) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) out[k] = quant_combine_lanes(acc[k]);
+    }
 }
 
 /* Write group g (eight codes of `width` bits, code k at bit k*width of `word`) of a packed

@@ -9,7 +9,7 @@ An encode is three launches on the current stream, with no host round trip:
    elements ``l, l+32, ...`` of the block, in order), then writes the block's sums to a float64
    array: ``1bit``'s sums over ``p >= 0`` and ``p < 0`` and its count of ``p >= 0`` (exact in
    float64), or ``efsign``'s sum of ``abs(p)``. It reads only.
-2. ``sign_split_scales`` / ``sign_abs_scales``: one warp lane-sums the block sums and writes the
+2. ``sign_split_scales`` / ``sign_abs_scales``: one block lane-sums the block sums and writes the
    float32 scales into the device scales frame.
 3. ``sign_apply``: one thread per code byte (eight elements) reads the scales from device
    memory, forms ``p`` again, writes the code byte and ``residual = p - decoded``. With 16-byte
@@ -128,23 +128,25 @@ __global__ void sign_abs_partials(const float* __restrict__ grad,
     if (lane == 0u) partials[block] = acc;
 }
 
-/* One warp: 1bit's scales [a, b]. */
+/* One block: 1bit's scales [a, b]. */
 __global__ void sign_split_scales(const double* __restrict__ partials, const long long nblocks,
                                   const long long n, float* __restrict__ scales) {
-    double pos = quant_lane_sum_warp(partials, nblocks);
-    double neg = quant_lane_sum_warp(partials + nblocks, nblocks);
-    double count = quant_lane_sum_warp(partials + 2 * nblocks, nblocks);
+    const double* rows[3] = {partials, partials + nblocks, partials + 2 * nblocks};
+    double sums[3];  /* over p >= 0, over p < 0, the count of p >= 0 */
+    quant_lane_sums_block<3>(rows, nblocks, sums);
     if (threadIdx.x == 0) {
-        scales[0] = sign_mean(pos, count);
-        scales[1] = sign_mean(neg, (double)n - count);
+        scales[0] = sign_mean(sums[0], sums[2]);
+        scales[1] = sign_mean(sums[1], (double)n - sums[2]);
     }
 }
 
-/* One warp: efsign's scale [s]. */
+/* One block: efsign's scale [s]. */
 __global__ void sign_abs_scales(const double* __restrict__ partials, const long long nblocks,
                                 const long long n, float* __restrict__ scales) {
-    double total = quant_lane_sum_warp(partials, nblocks);
-    if (threadIdx.x == 0) scales[0] = sign_mean(total, (double)n);
+    const double* rows[1] = {partials};
+    double total[1];
+    quant_lane_sums_block<1>(rows, nblocks, total);
+    if (threadIdx.x == 0) scales[0] = sign_mean(total[0], (double)n);
 }
 
 /* The residual of one element; returns its code bit. */
@@ -197,6 +199,7 @@ __global__ void sign_apply(const float* __restrict__ grad, float* __restrict__ r
 )
 
 _THREADS = 256  # a multiple of 32: the partial-sum kernels give each warp one block
+_SCALE_THREADS = 1024  # the one block that stages the block sums (quant_lane_sums_block)
 
 
 @functools.cache
@@ -234,7 +237,7 @@ def encode(
             (grad, residual, partials, cupy.int64(n), cupy.int64(nblocks)),
         )
     module.get_function(f"sign_{kind}_scales")(
-        (1,), (LANES,), (partials, cupy.int64(nblocks), cupy.int64(n), scales)
+        (1,), (_SCALE_THREADS,), (partials, cupy.int64(nblocks), cupy.int64(n), scales)
     )
     nbytes = int(codes.size)
     if nbytes:

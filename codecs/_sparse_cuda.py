@@ -4,19 +4,23 @@ the numpy references and the numba kernels (:mod:`kvstore.codecs.sparse` strings
 One push of a key, on the device:
 
 * the gradient goes into the state and every element's selection flag is set in one pass
-  (``sparse_flag``): a block handles a tile of :data:`TILE` elements, each warp's ballot is
-  one 32-bit word of a bitmask (bit ``i % 32`` of word ``i // 32``), and the block counts its
-  tile's flags; with a sampled threshold, the sample is read first (``sparse_sample``: the same
-  float32 operations the pass will do, without writing), so the threshold is known before the
-  pass;
-* the tiles' counts are scanned (``cupy.cumsum``, integers) and a second kernel writes the
-  selected indices in ascending order from the bitmasks alone (``sparse_write``);
-* exact top-k finds the k-th largest magnitude by a three-level radix select over the
-  magnitudes' bits (integer histograms, so the counts are exact whatever the order of the
-  atomics), then flags ``key > T`` and ``key == T`` and keeps the first ``quota`` of the latter;
-* random-k evaluates the keyed permutation per index and sorts the ``k`` results;
-* values are gathered and their state zeroed (``sparse_take``), and both copied to pinned
-  host buffers.
+  (``sparse_flag``): a block handles a tile of :data:`TILE` elements (each thread loads its
+  eight first, so they are in flight together), each warp's ballot is one 32-bit word of a
+  bitmask (bit ``i % 32`` of word ``i // 32``), and the block counts its tile's flags; with a
+  sampled threshold, the sample is read first (``sparse_sample``: the same float32 operations
+  the pass will do, without writing) and its key selected on the device, so the pass reads the
+  threshold from device memory;
+* exact top-k (and the sample's threshold) finds the k-th largest magnitude by a three-level
+  radix select over the magnitudes' bits (integer histograms, so the counts are exact whatever
+  the order of the atomics; after each level one block picks the bin, ``sparse_pick``), then
+  flags ``key > T`` and ``key == T`` and keeps the first ``quota`` of the latter;
+* the tiles' counts are scanned (``cupy.cumsum``, integers) and their totals come back to the
+  host: the one round trip of a push before its payload is copied; a second kernel takes the
+  selected elements in ascending order from the bitmasks alone (``sparse_write``): gathers
+  their values, zeroes their state and writes their chunk-local uint32 indices;
+* random-k evaluates the keyed permutation per index, sorts the ``k`` results and takes them
+  (``sparse_take``);
+* values and local indices are copied to pinned host buffers (counted as the push's D2H).
 
 Float arithmetic must round exactly like numpy's. NVRTC would contract DGC's ``m*u + g`` into a
 fused multiply-add (one rounding instead of two), and CuPy compiles every kernel with
@@ -65,27 +69,40 @@ _SOURCE = (
 
 extern "C" {
 
-/* The state update of element i; returns the value selection reads (r, or DGC's v).
+/* The state update of one element held in registers (ai, bi: its state, gi: its gradient);
+   returns the value selection reads (r, or DGC's v).
    kind 0: a = r, r += g.  kind 1: a = u, b = v, DGC's momentum correction. */
+__device__ __forceinline__ float sparse_update_value(const int kind, float* ai, float* bi,
+                                                     float gi, const float m, const float s,
+                                                     const int nesterov) {
+    if (kind == 0) {
+        float x = ieee_add(*ai, gi);
+        *ai = x;
+        return x;
+    }
+    gi = ieee_mul(gi, s);
+    float u, x;
+    if (nesterov) {
+        u = ieee_mul(m, ieee_add(*ai, gi));
+        x = ieee_add(ieee_add(*bi, u), gi);
+    } else {
+        u = ieee_add(ieee_mul(m, *ai), gi);
+        x = ieee_add(*bi, u);
+    }
+    *ai = u;
+    *bi = x;
+    return x;
+}
+
+/* The state update of element i in memory (sparse_update_value). */
 __device__ __forceinline__ float sparse_update(const int kind, float* a, float* b,
                                                const float* g, const long long i,
                                                const float m, const float s, const int nesterov) {
-    if (kind == 0) {
-        float x = ieee_add(a[i], g[i]);
-        a[i] = x;
-        return x;
-    }
-    float gi = ieee_mul(g[i], s);
-    float u, x;
-    if (nesterov) {
-        u = ieee_mul(m, ieee_add(a[i], gi));
-        x = ieee_add(ieee_add(b[i], u), gi);
-    } else {
-        u = ieee_add(ieee_mul(m, a[i]), gi);
-        x = ieee_add(b[i], u);
-    }
-    a[i] = u;
-    b[i] = x;
+    float ai = a[i];
+    float bi = kind ? b[i] : 0.0f;
+    float x = sparse_update_value(kind, &ai, &bi, g[i], m, s, nesterov);
+    a[i] = ai;
+    if (kind) b[i] = bi;
     return x;
 }
 
@@ -146,12 +163,37 @@ __global__ void sparse_flag(const int kind, float* a, float* b, const float* g,
     const int warp = threadIdx.x >> 5;
     int mine_above = 0;
     int mine_equal = 0;
+    /* Every load of the tile first (TILE_ITEMS elements per thread in flight; the stores
+       below could alias them, so the compiler would not move a later load above them). */
+    float va[TILE_ITEMS], vb[TILE_ITEMS], vg[TILE_ITEMS];
+#pragma unroll
+    for (int j = 0; j < TILE_ITEMS; ++j) {
+        const long long i = tile * TILE + (long long)j * TILE_THREADS + threadIdx.x;
+        va[j] = 0.0f;
+        vb[j] = 0.0f;
+        vg[j] = 0.0f;
+        if (i < n) {
+            if (update) {
+                va[j] = a[i];
+                vg[j] = g[i];
+                if (kind) vb[j] = b[i];
+            } else {
+                va[j] = x[i];
+            }
+        }
+    }
+#pragma unroll
     for (int j = 0; j < TILE_ITEMS; ++j) {
         const long long i = tile * TILE + (long long)j * TILE_THREADS + threadIdx.x;
         bool above = false;
         bool equal = false;
         if (i < n) {
-            float v = update ? sparse_update(kind, a, b, g, i, m, s, nesterov) : x[i];
+            float v = va[j];
+            if (update) {
+                v = sparse_update_value(kind, &va[j], &vb[j], vg[j], m, s, nesterov);
+                a[i] = va[j];
+                if (kind) b[i] = vb[j];
+            }
             unsigned int key = magnitude_key(v);
             above = key >= lo;
             equal = key == eq;
@@ -183,13 +225,37 @@ __global__ void sparse_flag(const int kind, float* a, float* b, const float* g,
     }
 }
 
-/* One tile per block of WORDS_PER_TILE threads, one mask word each: write the index of every
-   "above" element and of the first `quota` "equal" ones, at its rank among the selected.
+/* Take element i as the pos-th of the selection: values[pos] = x[i], then zero it (and
+   other's); local[pos] = i - the start of its chunk (starts: the nchunks chunk starts,
+   ascending, starts[0] == 0); with several chunks, cuts[c] = the least position taken in
+   chunk c (an atomic minimum: the host fills in the chunks that took none). */
+__device__ __forceinline__ void sparse_take_one(float* x, float* other, const int clear_other,
+                                                const long long i, const long long pos,
+                                                float* values, const long long* starts,
+                                                const int nchunks, unsigned int* local,
+                                                long long* cuts) {
+    values[pos] = x[i];
+    x[i] = 0.0f;
+    if (clear_other) other[i] = 0.0f;
+    int lo = 0, hi = nchunks;  /* the last chunk starting at or before i */
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (starts[mid] <= i) lo = mid; else hi = mid;
+    }
+    local[pos] = (unsigned int)(i - starts[lo]);
+    if (nchunks > 1) atomicMin(&cuts[lo], pos);
+}
+
+/* One tile per block of WORDS_PER_TILE threads, one mask word each: take (sparse_take_one)
+   every "above" element and the first `quota` "equal" ones, at its rank among the selected.
    counts and ends: the tiles' counts and their inclusive running sums, "above" then "equal"
    (two rows of `tiles`). */
 __global__ void sparse_write(const unsigned int* above_mask, const unsigned int* equal_mask,
                              const long long* counts, const long long* ends,
-                             const long long tiles, const long long quota, long long* out) {
+                             const long long tiles, const long long quota, float* x,
+                             float* other, const int clear_other, float* values,
+                             const long long* starts, const int nchunks, unsigned int* local,
+                             long long* cuts) {
     __shared__ int above_in_word[WORDS_PER_TILE];
     __shared__ int equal_in_word[WORDS_PER_TILE];
     const long long tile = blockIdx.x;
@@ -213,7 +279,9 @@ __global__ void sparse_write(const unsigned int* above_mask, const unsigned int*
         const long long equals = equal_before + __popc(word_equal & below);
         const long long taken = equals < quota ? equals : quota;
         if (((word_above >> bit) & 1u) || equals < quota) {
-            out[above_before + __popc(word_above & below) + taken] = word * 32 + bit;
+            sparse_take_one(x, other, clear_other, word * 32 + bit,
+                            above_before + __popc(word_above & below) + taken, values, starts,
+                            nchunks, local, cuts);
         }
         rest &= rest - 1u;
     }
@@ -293,23 +361,14 @@ __global__ void sparse_pick(const unsigned long long* hist, const int nbins, con
     }
 }
 
-/* values[j] = x[idx[j]], then zero it (and other's); local[j] = idx[j] - the start of its
-   chunk (starts: the nchunks chunk starts, ascending, starts[0] == 0). */
+/* sparse_take_one of idx[j] as the j-th (idx: ascending global indices). */
 __global__ void sparse_take(float* x, float* other, const int clear_other,
                             const long long* idx, const long long count, float* values,
-                            const long long* starts, const int nchunks, unsigned int* local) {
+                            const long long* starts, const int nchunks, unsigned int* local,
+                            long long* cuts) {
     long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= count) return;
-    long long i = idx[j];
-    values[j] = x[i];
-    x[i] = 0.0f;
-    if (clear_other) other[i] = 0.0f;
-    int lo = 0, hi = nchunks;  /* the last chunk starting at or before i */
-    while (hi - lo > 1) {
-        int mid = (lo + hi) >> 1;
-        if (starts[mid] <= i) lo = mid; else hi = mid;
-    }
-    local[j] = (unsigned int)(i - starts[lo]);
+    sparse_take_one(x, other, clear_other, idx[j], j, values, starts, nchunks, local, cuts);
 }
 
 __device__ __forceinline__ unsigned int sparse_hash32(unsigned int x) {
@@ -450,11 +509,11 @@ def _select_key(x: Any, k: int, selected_key: Any) -> None:
     :func:`kvstore.codecs._sparse_numba.kth_largest`): three radix levels, each a histogram and
     a one-block pick, all on the device (no host round trip)."""
     n = int(x.size)
-    hist = cupy.empty(2048, dtype=cupy.uint64)
+    hists = cupy.zeros((len(_LEVELS), 2048), dtype=cupy.uint64)  # one row per level
     grid = min(_blocks(n), _histogram_blocks(x.device.id))
     for level, (shift, bits) in enumerate(_LEVELS):
         first = cupy.int32(level == 0)
-        hist.fill(0)
+        hist = hists[level]
         _kernel("sparse_histogram")(
             (grid,),
             (_THREADS,),
@@ -511,13 +570,47 @@ def _flag_pass(
     )
 
 
-def _write(flags: _Flags, quota: int) -> Any:
-    """The ascending indices of the flagged "above" elements and the first ``quota`` "equal"
-    ones."""
+def _exact_flags(update: tuple, x: Any, k: int, selected_key: Any) -> _Flags:
+    """The flags of exact top-k over the already updated ``x``: key > T "above", key == T
+    "equal", of which the first ``quota`` are taken (ties: lower index first)."""
+    _select_key(x, k, selected_key)
+    return _flag_pass(update, False, x, _BOUNDS_EXACT, selected_key)
+
+
+def _gather(count: int, starts: Any, buffers: Any, launch: Any) -> np.ndarray:
+    """Run ``launch(values, local, cuts)``, the kernel that takes the ``count`` selected
+    elements (:func:`sparse_take_one`), and copy the values and chunk-local indices to the host
+    buffers; returns the chunk cuts (``nchunks + 1``: where each chunk's share of the ascending
+    selection starts, then ``count``)."""
+    buffers.ensure(count)
+    nchunks = int(starts.size)
+    cuts = np.zeros(nchunks + 1, dtype=np.int64)
+    cuts[1:] = count
+    if count == 0:
+        return cuts
+    values = cupy.empty(count, dtype=cupy.float32)
+    local = cupy.empty(count, dtype=cupy.uint32)
+    firsts = cupy.full(nchunks, count, dtype=cupy.int64) if nchunks > 1 else starts
+    launch(values, local, firsts)
+    # through device_to_host, so the copies are counted as the push's D2H, not as its encode
+    device_to_host(local, buffers.local[:count])
+    device_to_host(values, buffers.values[:count])
+    if nchunks > 1:  # a chunk that took nothing starts where the next one does
+        device_to_host(firsts, cuts[:nchunks])
+        cuts[:nchunks] = np.minimum.accumulate(cuts[:nchunks][::-1])[::-1]
+        cuts[0] = 0
+    return cuts
+
+
+def _write_take(
+    flags: _Flags, quota: int, x: Any, other: Any, clear_other: bool, starts: Any, buffers: Any
+) -> np.ndarray:
+    """Take the flagged "above" elements and the first ``quota`` "equal" ones (ascending), as
+    :func:`_gather` says."""
     count = flags.above + min(quota, flags.equal)
-    out = cupy.empty(count, dtype=cupy.int64)
-    if count:
-        tiles = int(flags.counts.shape[1])
+    tiles = int(flags.counts.shape[1])
+
+    def launch(values: Any, local: Any, firsts: Any) -> None:
         _kernel("sparse_write")(
             (tiles,),
             (_WORDS_PER_TILE,),
@@ -528,55 +621,45 @@ def _write(flags: _Flags, quota: int) -> Any:
                 flags.ends,
                 cupy.int64(tiles),
                 cupy.int64(quota),
-                out,
+                x,
+                other,
+                cupy.int32(1 if clear_other else 0),
+                values,
+                starts,
+                cupy.int32(int(starts.size)),
+                local,
+                firsts,
             ),
         )
-    return out
 
-
-def _exact(update: tuple, x: Any, k: int, selected_key: Any) -> Any:
-    """Exact top-k of the already updated ``x`` (ties: lower index first)."""
-    _select_key(x, k, selected_key)
-    flags = _flag_pass(update, False, x, _BOUNDS_EXACT, selected_key)
-    return _write(flags, flags.quota)
+    return _gather(count, starts, buffers, launch)
 
 
 def _take(
     x: Any, other: Any, clear_other: bool, indices: Any, starts: Any, buffers: Any
 ) -> np.ndarray:
-    """Gather ``x[indices]``, zero them (and ``other``'s), and copy the values and the
-    chunk-local indices to the host buffers; returns the chunk cuts (``nchunks + 1``: where
-    each chunk's share of the ascending selection starts, then the count)."""
+    """Take ``x[indices]`` (ascending global indices), as :func:`_gather` says."""
     count = int(indices.size)
-    buffers.ensure(count)
-    nchunks = int(starts.size)
-    cuts = np.full(nchunks + 1, count, dtype=np.int64)
-    if count == 0:
-        cuts[:] = 0
-        return cuts
-    values = cupy.empty(count, dtype=cupy.float32)
-    local = cupy.empty(count, dtype=cupy.uint32)
-    _kernel("sparse_take")(
-        (_blocks(count),),
-        (_THREADS,),
-        (
-            x,
-            other,
-            cupy.int32(1 if clear_other else 0),
-            indices,
-            cupy.int64(count),
-            values,
-            starts,
-            cupy.int32(nchunks),
-            local,
-        ),
-    )
-    first_of_chunk = cupy.searchsorted(indices, starts)
-    # through device_to_host, so the copies are counted as the push's D2H, not as its encode
-    device_to_host(local, buffers.local[:count])
-    device_to_host(values, buffers.values[:count])
-    device_to_host(first_of_chunk, cuts[:nchunks])
-    return cuts
+
+    def launch(values: Any, local: Any, firsts: Any) -> None:
+        _kernel("sparse_take")(
+            (_blocks(count),),
+            (_THREADS,),
+            (
+                x,
+                other,
+                cupy.int32(1 if clear_other else 0),
+                indices,
+                cupy.int64(count),
+                values,
+                starts,
+                cupy.int32(int(starts.size)),
+                local,
+                firsts,
+            ),
+        )
+
+    return _gather(count, starts, buffers, launch)
 
 
 def scatter_add(out: Any, indices: np.ndarray, values: np.ndarray) -> None:
@@ -615,7 +698,7 @@ def encode(
     if selection.kind == THRESHOLD:
         lo = int(np.array([selection.threshold], np.float32).view(np.uint32)[0])
         flags = _flag_pass(update, True, x, _BOUNDS_GIVEN, selected_key, lo)
-        return _take(x, a, dgc, _write(flags, 0), starts, buffers)
+        return _write_take(flags, 0, x, a, dgc, starts, buffers)
     if selection.kind == RANDOM:
         _kernel("sparse_update_all")((_blocks(n),), (_THREADS,), (*update, cupy.int64(n)))
         k = selection.k
@@ -636,7 +719,8 @@ def encode(
     plan = selection.sample
     if plan is None:
         _kernel("sparse_update_all")((_blocks(n),), (_THREADS,), (*update, cupy.int64(n)))
-        return _take(x, a, dgc, _exact(update, x, k, selected_key), starts, buffers)
+        flags = _exact_flags(update, x, k, selected_key)
+        return _write_take(flags, flags.quota, x, a, dgc, starts, buffers)
     samples = cupy.empty(plan.count, dtype=cupy.float32)
     _kernel("sparse_sample")(
         (_blocks(plan.count),),
@@ -652,10 +736,10 @@ def encode(
     _select_key(samples, plan.top, selected_key)
     flags = _flag_pass(update, True, x, _BOUNDS_SAMPLED, selected_key)
     if accepted_count(flags.above, k):
-        indices = _write(flags, 0)
-    else:  # too many or too few: the exact top-k (the same as among the candidates)
-        indices = _exact(update, x, k, selected_key)
-    return _take(x, a, dgc, indices, starts, buffers)
+        return _write_take(flags, 0, x, a, dgc, starts, buffers)
+    # too many or too few: the exact top-k (the same as among the candidates)
+    flags = _exact_flags(update, x, k, selected_key)
+    return _write_take(flags, flags.quota, x, a, dgc, starts, buffers)
 
 
 __all__ = ["encode"]

@@ -8,7 +8,7 @@ One push, on the device, without a host round trip:
   lane sums of ``x`` and ``x * x`` in float64 (thread ``l`` sums elements ``l, l + 32, ...`` in
   order; :func:`quant_combine_lanes` adds the lanes in order) and its largest magnitude (the
   bits of ``abs(x)``: non-negative floats order like their bits). ``terngrad_finish``, one
-  warp, lane-sums the block sums, takes the largest magnitude and writes ``s`` into the scales
+  block, lane-sums the block sums, takes the largest magnitude and writes ``s`` into the scales
   frame; ``terngrad_codes`` reads ``s`` there, one thread per four code bytes (16 elements,
   four ``float4`` loads and one 32-bit store).
 * **qsgd**: ``qsgd_partials`` gives one warp to each (bucket, ``SUM_BLOCK`` block of it) for
@@ -41,6 +41,7 @@ from kvstore.codecs.quantize import SUM_BLOCK
 
 _WARPS_PER_BLOCK = 8
 _THREADS = 256
+_FINISH_THREADS = 1024  # terngrad_finish: one block stages the block sums
 
 _SOURCE = (
     QUANT_OPS
@@ -112,25 +113,22 @@ __global__ void terngrad_stats(const float* __restrict__ g, const long long n,
     }
 }
 
-/* One warp: the chunk's scale s into scale[0] (see kvstore.codecs.terngrad). */
+/* One block: the chunk's scale s into scale[0] (see kvstore.codecs.terngrad). */
 __global__ void terngrad_finish(const double* __restrict__ sums,
                                 const double* __restrict__ squares,
                                 const unsigned int* __restrict__ tops, const long long nblocks,
                                 const long long n, const double clip, float* __restrict__ scale) {
+    __shared__ unsigned int warp_tops[32];
     unsigned int top = 0u;
-    long long i = threadIdx.x;
-    for (; i + 32 * 15 < nblocks; i += 32 * 16) {  /* 16 loads in flight (order-free) */
-        unsigned int batch[16];
-#pragma unroll
-        for (int u = 0; u < 16; ++u) batch[u] = tops[i + 32 * u];
-#pragma unroll
-        for (int u = 0; u < 16; ++u) top = max(top, batch[u]);
-    }
-    for (; i < nblocks; i += 32) top = max(top, tops[i]);
+    for (long long i = threadIdx.x; i < nblocks; i += blockDim.x) top = max(top, tops[i]);
     top = stochastic_warp_max(top);
-    double s1 = quant_lane_sum_warp(sums, nblocks);
-    double s2 = quant_lane_sum_warp(squares, nblocks);
+    if ((threadIdx.x & 31u) == 0) warp_tops[threadIdx.x >> 5] = top;
+    const double* rows[2] = {sums, squares};
+    double totals[2];
+    quant_lane_sums_block<2>(rows, nblocks, totals);  /* synchronizes the block */
     if (threadIdx.x != 0) return;
+    for (unsigned int w = 1; w < blockDim.x / 32; ++w) top = max(top, warp_tops[w]);
+    const double s1 = totals[0], s2 = totals[1];
     if (clip > 0.0) {
         double count = (double)n;
         double mean = __ddiv_rn(s1, count);
@@ -335,7 +333,7 @@ def terngrad_encode(
     )
     _kernel("terngrad_finish")(
         (1,),
-        (32,),
+        (_FINISH_THREADS,),
         (sums, squares, tops, cupy.int64(nblocks), cupy.int64(n), cupy.float64(clip), scale),
     )
     nbytes = int(packed.size)

@@ -209,9 +209,9 @@ class Cast16Encoder(QuantizerEncoder):
             self.implementation = "numpy"  # the kernels write native uint16, the frame is <u2
         self._overflow = None
         if self.on_gpu and not codec.error_feedback:
-            import cupy  # noqa: PLC0415
+            from kvstore.codecs import _cast_cuda  # noqa: PLC0415
 
-            self._overflow = cupy.zeros(1, dtype=cupy.uint32)  # the kernel's overflow report
+            self._overflow = _cast_cuda.OverflowReports()  # the kernel's overflow reports
 
     def encode_reference(self, values: np.ndarray, frames: list[np.ndarray]) -> None:
         largest = encode_reference(self.fmt, values, self.residual, _codes_view(frames[0]))
