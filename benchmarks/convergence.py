@@ -130,6 +130,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--momentum", type=float)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="workers' device")
+    parser.add_argument(
+        "--pull-compression",
+        metavar="SPEC",
+        default="none",
+        help="every run's pull compression (the example's --pull-compression)",
+    )
     parser.add_argument("--table", type=Path, metavar="PATH", help="write a markdown table")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
@@ -196,6 +202,7 @@ def train_command(args: argparse.Namespace, spec: str, seed: int, json_path: Pat
         "--epochs", str(args.epochs), "--seed", str(seed), "--optimizer", args.optimizer,
         "--lr", str(args.lr), "--momentum", str(args.momentum),
         "--batch-size", str(args.batch_size), "--device", args.device, "--json", str(json_path),
+        "--pull-compression", args.pull_compression,
     ]  # fmt: skip
 
 

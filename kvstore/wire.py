@@ -65,7 +65,7 @@ import zmq
 
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_KEY_LENGTH = 1024
@@ -141,6 +141,11 @@ def _check_uint(name: str, value: Any) -> None:
         raise ProtocolError(f"field {name!r} must be a non-negative int, got {_show(value)}")
 
 
+def _check_version(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= _INT64_MAX:
+        raise ProtocolError(f"field {name!r} must be an int >= -1, got {_show(value)}")
+
+
 def _check_str(name: str, value: Any) -> None:
     if not isinstance(value, str):
         raise ProtocolError(f"field {name!r} must be a str, got {type(value).__name__}")
@@ -198,6 +203,8 @@ def _check_params(name: str, value: Any) -> None:
             )
 
 
+VERSION = _check_version
+
 KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE, RIDS, LANE = (
     _check_key,
     _check_uint,
@@ -232,12 +239,28 @@ SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
         ("sh", SHAPE, True),  # the whole key's shape
         ("cd", STR, True),  # codec name
         ("cp", PARAMS, True),  # codec parameters
+        # pull compression (kvstore.codecs.pulled): codec name and parameters (absent: dense)
+        ("pd", STR, False),
+        ("pp", PARAMS, False),
     ),
     Op.PUSH: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True)),
     # "af": answer once this many of the worker's pushes of the chunk are applied
     # "rx": a relayed value of at most this many pushes is welcome (absent: dense only)
-    Op.PULL: (("k", KEY, True), ("c", UINT, True), ("af", UINT, True), ("rx", UINT, False)),
-    Op.PUSHPULL: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True), ("rx", UINT, False)),
+    # "pv": with pull compression, the w_pub version the worker holds (-1: none yet)
+    Op.PULL: (
+        ("k", KEY, True),
+        ("c", UINT, True),
+        ("af", UINT, True),
+        ("rx", UINT, False),
+        ("pv", VERSION, False),
+    ),
+    Op.PUSHPULL: (
+        ("k", KEY, True),
+        ("c", UINT, True),
+        ("n", UINT, True),
+        ("rx", UINT, False),
+        ("pv", VERSION, False),
+    ),
     Op.BARRIER: (),
     Op.SET_OPTIMIZER: (("opt", STR, True), ("hp", PARAMS, True)),
     Op.BYE: (),
@@ -253,7 +276,17 @@ SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
     # "rl": the value is relayed: the payloads are those of this many pushes, to decode and sum
     # "hb": (to a HELLO) the server's heartbeat timeout in ms (absent: off); the worker pings it
     # often enough for it, whatever its own setting
-    Op.REPLY: (("sr", UINT, False), ("ak", RIDS, False), ("rl", UINT, False), ("hb", UINT, False)),
+    # "pc", "pv", "pb": a compressed pull's reply kind (0 dense w_pub, 1 delta, 2 unchanged),
+    # the w_pub version it brings and the version a delta applies to
+    Op.REPLY: (
+        ("sr", UINT, False),
+        ("ak", RIDS, False),
+        ("rl", UINT, False),
+        ("hb", UINT, False),
+        ("pc", UINT, False),
+        ("pv", UINT, False),
+        ("pb", VERSION, False),
+    ),
     # "lr": the worker rank that was lost (code "worker_lost")
     Op.ERROR: (("code", STR, True), ("msg", STR, True), ("lr", UINT, False)),
 }

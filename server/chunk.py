@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvstore.codecs import Aggregator, Codec, accumulator_dtype
+from kvstore.codecs.pulled import PublishedWeights
 from kvstore.server.optimizers import Optimizer
 from kvstore.server.published import PublishedValue
 from kvstore.topology import Key
@@ -38,6 +39,8 @@ class PendingReply(NamedTuple):
         want_value: reply with the chunk's value (pull, pushpull) rather than an empty ack.
         op: the request's operation (what the metrics count the reply under).
         relay_max: the worker takes a relayed value of at most this many pushes (0: dense).
+        pull_version: with pull compression, the version of ``w_pub`` the worker holds (-1:
+            none yet; see :mod:`kvstore.codecs.pulled`); None without.
     """
 
     identity: bytes
@@ -46,6 +49,7 @@ class PendingReply(NamedTuple):
     want_value: bool
     op: Op
     relay_max: int = 0
+    pull_version: int | None = None  # the w_pub version the worker holds (compressed pulls)
 
 
 @dataclass(frozen=True)
@@ -59,12 +63,14 @@ class ChunkSpec:
     dtype: str
     shape: tuple[int, ...]
     codec: tuple[tuple[str, Any], ...]
+    pull: tuple[tuple[str, Any], ...] = ()  # the pull compression spec; () for dense pulls
 
     def describe(self) -> str:
         codec = dict(self.codec)
+        pull = f", pull compression {dict(self.pull)}" if self.pull else ""
         return (
             f"shape {self.shape} {self.dtype}, elements [{self.start}, {self.start + self.numel}), "
-            f"compression {codec}"
+            f"compression {codec}{pull}"
         )
 
     @property
@@ -121,6 +127,11 @@ class ChunkState:
     optimizer_name: str | None = None
     optimizer_state: dict[str, Any] | None = None
     updates: int = 0
+    # compressed pulls (kvstore.codecs.pulled): the codec, the workers' w_pub in dist_sync,
+    # one per worker rank in dist_async
+    pull_codec: Codec | None = None
+    pull: PublishedWeights | None = None
+    pull_by_rank: dict[int, PublishedWeights] = field(default_factory=dict)
 
     @property
     def initialized(self) -> bool:
@@ -142,6 +153,23 @@ class ChunkState:
         acc = accumulator_dtype(self.spec.dtype)
         self.master = None if wire.dtype == acc else wire.astype(acc)
         self.value = PublishedValue(wire)
+        self.pull_by_rank = {}
+        if self.pull_codec is not None:
+            self.pull = PublishedWeights(self.pull_codec, self.spec.key, wire)
+
+    def pulled_weights(self, rank: int, mode: str) -> PublishedWeights:
+        """The ``w_pub`` a compressed pull of worker ``rank`` is answered from: the one of all
+        workers in ``dist_sync``; in ``dist_async`` the worker's own (the current value at its
+        first pull), moved on to the current value when the worker holds its version."""
+        assert self.value is not None and self.pull_codec is not None
+        if mode != "dist_async":
+            assert self.pull is not None
+            return self.pull
+        own = self.pull_by_rank.get(rank)
+        if own is None:
+            own = PublishedWeights(self.pull_codec, self.spec.key, self.value.current)
+            self.pull_by_rank[rank] = own
+        return own
 
     def busy(self) -> str | None:
         """What is in flight on this chunk (a round, deferred pushes, waiting requests, work
@@ -163,14 +191,19 @@ class ChunkState:
         chunk's lock is held) and JSON metadata.
 
         Arrays: ``value`` (the published value, the key's dtype), ``master`` (the accumulator
-        copy of a float16 key), ``opt.NAME`` (the optimizer's arrays). The aggregator carries
+        copy of a float16 key), ``pull.w_pub`` (with compressed pulls in ``dist_sync``: the
+        weights the workers hold), ``opt.NAME`` (the optimizer's arrays). The aggregator carries
         nothing from one round to the next, so it is not saved.
         """
         assert self.value is not None
         arrays = {"value": self.value.current}
         if self.master is not None:
             arrays["master"] = self.master
+        if self.pull is not None:  # what the workers hold (dist_sync)
+            arrays["pull.w_pub"] = self.pull.w_pub
         meta: dict[str, Any] = {"updates": self.updates, "optimizer": None, "scalars": {}}
+        if self.pull is not None:
+            meta["pull_version"] = self.pull.version
         if self.optimizer_name is not None and self.optimizer_state is not None:
             # Arrays and integer counters (Adam's step count); entries not made yet (SGD's
             # momentum before its first update with momentum) are None and left out.
@@ -201,6 +234,13 @@ class ChunkState:
         if self.master is not None:
             np.copyto(self.master, arrays["master"], casting="no")
         self.relay = None  # the value is no longer the sum of the last round's pushes
+        # Compressed pulls: the workers forget what they held when they load a checkpoint, so
+        # the next pull sends each of them w_pub whole (the saved one, or the value).
+        self.pull_by_rank = {}
+        if self.pull is not None:
+            saved = arrays.get("pull.w_pub")
+            held = saved if saved is not None and saved.shape == out.shape else out
+            self.pull.restore(np.asarray(held, dtype=np.float32), meta.get("pull_version", 0))
         self.optimizer_name = meta["optimizer"] if state is not None else None
         self.optimizer_state = state
         self.updates = int(meta["updates"])

@@ -77,6 +77,7 @@ import zmq
 from kvstore import auth, checkpoint, wire
 from kvstore.codecs import codec_from_spec
 from kvstore.codecs.base import frame_array, relay_fits
+from kvstore.codecs.pulled import pull_applies, pull_codec_from_spec
 from kvstore.config import ServerConfig, heartbeat_interval
 from kvstore.errors import (
     CheckpointError,
@@ -182,6 +183,15 @@ class _Job:
     lost: dict[int, str] = field(default_factory=dict)
     rejoined: set[int] = field(default_factory=set)
     failed: set[tuple[bytes, int]] = field(default_factory=set)
+
+
+def _pull_version(msg: Message) -> int | None:
+    """The ``w_pub`` version a request that wants values says its worker holds (``pv``;
+    None: the worker's pulls are not compressed)."""
+    held = msg.get("pv")
+    if held is not None and (not isinstance(held, int) or isinstance(held, bool) or held < -1):
+        raise RequestError(ErrorCode.BAD_MESSAGE, f"pv must be an integer >= -1, got {held!r}")
+    return held
 
 
 def _peer(identity: bytes) -> str:
@@ -449,6 +459,9 @@ class ShardServer:
     def _send_value(self, reply: PendingReply, chunk: ChunkState, acks: list[int] = ()) -> None:
         assert chunk.value is not None
         fields: dict[str, Any] = {"ak": list(acks)} if acks else {}
+        if chunk.pull_codec is not None and reply.pull_version is not None:
+            self._send_compressed(reply, chunk, fields)
+            return
         relay = chunk.relay
         if relay is not None and 0 < len(relay) <= reply.relay_max:
             # The round's pushes instead of their sum; the frames are immutable ZeroMQ
@@ -463,6 +476,24 @@ class ShardServer:
         )
         if send is not None:
             chunk.value.track(send)
+
+    def _send_compressed(
+        self, reply: PendingReply, chunk: ChunkState, fields: dict[str, Any]
+    ) -> None:
+        """Answer a compressed pull (see :mod:`kvstore.codecs.pulled`): nothing, the delta to
+        the current ``w_pub`` or ``w_pub`` whole, by the version the worker holds."""
+        assert chunk.value is not None and reply.pull_version is not None
+        mode = self._job.mode
+        weights = chunk.pulled_weights(reply.rank, mode)
+        held = reply.pull_version
+        if mode == "dist_async" and held == weights.version:
+            try:  # this worker's own w_pub moves on to the current value now
+                weights.advance(chunk.value.current)
+            except CodecError as exc:  # (advance itself falls back to dense on NaN)
+                raise RequestError(ErrorCode.CODEC, f"{chunk.spec.name}: {exc}") from exc
+        kind, frames = weights.reply(held)
+        fields.update(pc=kind, pv=weights.version, pb=weights.version - 1)
+        self._send(reply.identity, wire.reply(reply.rid, fields, frames), reply.op)
 
     def _send_error(
         self,
@@ -835,6 +866,14 @@ class ShardServer:
                 f"{self._max_message} bytes server {self.config.server_rank} accepts in a "
                 f"message (KVSTORE_MAX_MESSAGE_BYTES)",
             )
+        pull_codec = None
+        if msg.get("pd") is not None:
+            pull_codec = pull_codec_from_spec({"type": msg["pd"], **msg.get("pp", {})})
+            if not pull_applies(pull_codec, msg["dt"]):
+                raise RequestError(
+                    ErrorCode.BAD_VALUE,
+                    f"key {msg['k']!r} is {msg['dt']}: pulls are compressed for float32 keys only",
+                )
         spec = ChunkSpec(
             key=msg["k"],
             index=msg["c"],
@@ -843,6 +882,7 @@ class ShardServer:
             dtype=msg["dt"],
             shape=shape,
             codec=tuple(sorted(codec.spec().items())),
+            pull=tuple(sorted(pull_codec.spec().items())) if pull_codec is not None else (),
         )
         return spec, codec
 
@@ -881,6 +921,7 @@ class ShardServer:
                 return
             # Rank 0's declaration is the reference; earlier different ones are refused now.
             chunk.spec, chunk.codec = spec, codec
+            chunk.pull_codec = pull_codec_from_spec(dict(spec.pull)) if spec.pull else None
             chunk.set_initial_value(values)
             chunk.declared[0] = spec
             self._send_ack(reply)
@@ -959,7 +1000,9 @@ class ShardServer:
                 "call kv.set_optimizer(...) on every worker before pushing",
             )
         want_value = msg.op is Op.PUSHPULL
-        reply = PendingReply(identity, msg.rid, rank, want_value, msg.op, msg.get("rx", 0))
+        reply = PendingReply(
+            identity, msg.rid, rank, want_value, msg.op, msg.get("rx", 0), _pull_version(msg)
+        )
         if job.mode == "dist_async":
             self._inline.submit(self._push_async(chunk, reply, msg.payloads))
         else:
@@ -1071,6 +1114,7 @@ class ShardServer:
             aggregator.result = out
             chunk.value.publish(grad)
             chunk.updates += 1
+            await self._advance_pulled(chunk)
             return
         try:
             await self._run(chunk, chunk.apply_update, grad, optimizer, out)
@@ -1078,6 +1122,14 @@ class ShardServer:
             chunk.value.give_back(out)
             raise
         chunk.value.publish(out)
+        await self._advance_pulled(chunk)
+
+    async def _advance_pulled(self, chunk: ChunkState) -> None:
+        """With compressed pulls in dist_sync: encode this round's delta once, for every
+        worker's pull (dist_async encodes per worker, at its pull)."""
+        if chunk.pull is not None and self._job.mode != "dist_async":
+            assert chunk.value is not None
+            await self._run(chunk, chunk.pull.advance, chunk.value.current)
 
     def _finish_push(
         self,
@@ -1106,7 +1158,9 @@ class ShardServer:
 
     def _on_pull(self, identity: bytes, rank: int, msg: Message) -> None:
         chunk = self._ready_chunk(rank, msg)
-        reply = PendingReply(identity, msg.rid, rank, True, Op.PULL, msg.get("rx", 0))
+        reply = PendingReply(
+            identity, msg.rid, rank, True, Op.PULL, msg.get("rx", 0), _pull_version(msg)
+        )
         if chunk.applied[rank] >= msg["af"]:
             self._send_value(reply, chunk)
         else:

@@ -50,6 +50,7 @@ from kvstore.codecs import Codec, Encoder, codec_from_spec, xp
 from kvstore.codecs.base import KeyEncoder, PushQuality, frame_array
 from kvstore.codecs.finite import count_nonfinite
 from kvstore.codecs.identity import IdentityCodec
+from kvstore.codecs.pulled import HeldWeights, pull_applies, pull_codec_from_spec
 from kvstore.config import ClusterConfig, WorkerOptions
 from kvstore.errors import (
     CheckpointError,
@@ -154,6 +155,9 @@ class _KeyState:
     last_push: list[Request | None] = field(default_factory=list)
     pushes_sent: list[int] = field(default_factory=list)  # per chunk; a pull follows them all
     relay_limits: list[int] = field(default_factory=list)  # per chunk; 0: pull dense values
+    # compressed pulls (kvstore.codecs.pulled): the w_pub this worker holds, per chunk (None:
+    # the key's pulls are dense)
+    held: list[HeldWeights] | None = None
     send_order: tuple[Chunk, ...] = ()  # the chunks in push order (see interleaved_order)
     # Value prefetch (see KVStore.push): whether this key's pushes are followed by a pull, and
     # the requests of the last push that asked for the values (per chunk), not yet pulled.
@@ -164,8 +168,11 @@ class _KeyState:
     # made (None: nothing waits); see kvstore.worker.checkpointing.
     restored: list[dict[str, Any] | None] | None = None
 
-    def relay_offer(self, chunk: Chunk) -> dict[str, int]:
-        """The request field offering to take a relayed value of ``chunk`` (none: dense)."""
+    def pull_fields(self, chunk: Chunk) -> dict[str, int]:
+        """The fields of a request for ``chunk``'s value: the version of ``w_pub`` this worker
+        holds (compressed pulls), or an offer to take a relayed value (none: dense)."""
+        if self.held is not None:
+            return {"pv": self.held[chunk.index].version}
         limit = self.relay_limits[chunk.index]
         return {"rx": limit} if limit else {}
 
@@ -221,7 +228,9 @@ class _Landing:
         A dense reply is copied; a relayed one (``rl`` pushes) is decoded and summed into place.
         """
         relayed = reply.get("rl", 0)
-        if relayed:
+        if "pc" in reply.fields:
+            nbytes = self._write_compressed(chunk, reply)
+        elif relayed:
             nbytes = self._write_relay(chunk, reply.payloads, relayed)
         else:
             nbytes = chunk.numel * self.itemsize
@@ -233,6 +242,24 @@ class _Landing:
             self.target.write(chunk.start, chunk.stop, values)
         self.stats.pulled_bytes += nbytes
         self.stats.pull_messages += 1
+
+    def _write_compressed(self, chunk: Chunk, reply: Any) -> int:
+        """Apply a compressed pull's reply to the chunk's ``w_pub`` and put ``w_pub`` into
+        place (see :mod:`kvstore.codecs.pulled`)."""
+        state = self.state
+        if state.held is None:
+            raise ProtocolError(
+                f"a compressed reply for key {state.key!r}, whose pulls are not compressed"
+            )
+        held = state.held[chunk.index]
+        try:
+            nbytes = held.apply(reply["pc"], reply["pv"], reply.get("pb", -1), reply.payloads)
+        except CodecError as exc:
+            raise ProtocolError(
+                f"compressed reply for key {state.key!r} chunk {chunk.index}: {exc}"
+            ) from exc
+        self.target.write(chunk.start, chunk.stop, held.w_pub)
+        return nbytes
 
     def _write_relay(self, chunk: Chunk, frames: Sequence[Any], pushes: int) -> int:
         state = self.state
@@ -457,6 +484,7 @@ class KVStore:
         # Settings left to the job's size (push lead, TOS) are fixed here, once.
         self._options = (options or WorkerOptions()).for_job(cluster.num_workers)
         self._codec: Codec = IdentityCodec()
+        self._pull_codec: Codec | None = None  # compressed pulls (set_pull_compression)
         # Every worker reads the same addresses, so every worker plans the same chunks.
         self._servers_on_this_host = servers_on_this_host(cluster.servers)
         self._keys: dict[Key, _KeyState] = {}
@@ -641,6 +669,37 @@ class KVStore:
                 codec.check_optimizer(self._optimizer.name, self._optimizer.params)
             self._codec = codec
 
+    def set_pull_compression(self, spec: dict[str, Any]) -> None:
+        """Compress what the servers send back to this worker: the pulls of every float32 key
+        initialised after this call (collective: call it on every worker with the same spec,
+        before ``init``; workers that disagree are refused at ``init``).
+
+        The servers keep the weights the workers hold, ``w_pub``, and answer a pull with the
+        compressed difference to the current value; both sides add its decoded form to
+        ``w_pub``, and ``out`` receives ``w_pub``. What one pull leaves out travels with the
+        next (error feedback on the downlink), and in ``dist_sync`` every worker holds
+        bit-identical weights, encoded once per round for all of them. Pick the codec's
+        parameters for weight differences: a 2-bit threshold near one step's change, not a
+        gradient's.
+
+        Args:
+            spec: ``{"type": name, **params}`` with name ``fp16``, ``bf16``, ``2bit``, ``topk``
+                or ``threshold``; ``{"type": "none"}`` (the default) pulls dense values.
+
+        Raises:
+            UsageError: a key was already initialised.
+            CodecError: the spec is invalid or its codec cannot compress pulls.
+        """
+        self._check_open()
+        with self._api_lock:
+            if self._keys:
+                some = ", ".join(repr(k) for k in list(self._keys)[:5])
+                raise UsageError(
+                    f"set_pull_compression must be called before init; keys already "
+                    f"initialised: {some}"
+                )
+            self._pull_codec = pull_codec_from_spec(spec)
+
     def _check_round_trips(self, codec: Codec) -> None:
         """Refuse a codec with several round trips per step in ``dist_async``."""
         if codec.round_trips > 1 and self.type == "dist_async":
@@ -742,7 +801,10 @@ class KVStore:
                     ),
                     alignment=alignment,
                 )
-                states.append((_KeyState(k, info.shape, info.dtype, codec, chunks), v))
+                state = _KeyState(k, info.shape, info.dtype, codec, chunks)
+                if pull_applies(self._pull_codec, info.dtype):
+                    state.held = [HeldWeights(self._pull_codec, c.numel) for c in chunks]
+                states.append((state, v))
             requests = []
             for state, v in states:
                 source = vals.host_copy(vals.flat_source(v)) if self.rank == 0 else None
@@ -757,6 +819,8 @@ class KVStore:
                         "cd": state.codec.name,
                         "cp": state.codec.params(),
                     }
+                    if state.held is not None:
+                        fields.update(pd=self._pull_codec.name, pp=self._pull_codec.params())
                     payloads = [source[chunk.start : chunk.stop]] if source is not None else []
                     requests.append(
                         self._transport.submit(
@@ -924,7 +988,7 @@ class KVStore:
                     ).start(payloads)  # fmt: skip
                 else:
                     if op is Op.PUSHPULL:
-                        fields.update(state.relay_offer(chunk))
+                        fields.update(state.pull_fields(chunk))
                     request = self._transport.submit(
                         chunk.server,
                         op,
@@ -1047,7 +1111,7 @@ class KVStore:
                     "k": state.key,
                     "c": chunk.index,
                     "af": state.pushes_sent[chunk.index],
-                    **state.relay_offer(chunk),
+                    **state.pull_fields(chunk),
                 },
                 priority=priority,
                 what=f"pull of key {state.key!r} chunk {chunk.index}",
@@ -1317,6 +1381,8 @@ class KVStore:
                 state.restored = plan[key]
                 self._forget_unpulled_values(state)  # values of a push from before the load
                 state.pushed_since_pull = False
+                for held in state.held or ():  # the next pull brings the restored w_pub whole
+                    held.version = -1
             saved = manifest.get("optimizer")
             if saved is not None:
                 self._optimizer = make_optimizer_spec(saved["name"], saved["params"])

@@ -40,6 +40,7 @@ from tqdm import tqdm
 import kvstore
 import kvstore.torch as kvt
 from kvstore.codecs import codec_from_spec
+from kvstore.codecs.pulled import pull_codec_from_spec
 from kvstore.errors import CodecError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # when imported from elsewhere too
@@ -81,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="2bit",
         help="push codec: none, a name (2bit, topk, ...), name:key=value,... "
         '(e.g. topk:ratio=0.01,sample=0) or a JSON object with a "type" (default 2bit)',
+    )
+    parser.add_argument(
+        "--pull-compression",
+        metavar="SPEC",
+        default="none",
+        help="compress what the servers send back (with --optimizer server: the weights), as "
+        "--compression: none (default), bf16, fp16, 2bit:threshold=T, topk:ratio=R, threshold",
     )
     parser.add_argument(
         "--threshold",
@@ -152,6 +160,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         codec_from_spec(args.codec)
     except CodecError as error:
         parser.error(f"--compression: {error}")
+    try:
+        args.pull_codec = parse_codec_spec(args.pull_compression)
+        pull_codec_from_spec(args.pull_codec)
+    except (ValueError, CodecError) as error:
+        parser.error(f"--pull-compression: {error}")
     if args.codec["type"] == "powersgd" and args.bucket_bytes is not None:
         # A bucket is a flat buffer: a 1-D key, which powersgd sends uncompressed.
         parser.error("--bucket-bytes makes flat keys, which powersgd would send uncompressed")
@@ -262,6 +275,7 @@ def main() -> None:
     device = torch.device(args.device)
     mode = args.mode if "KVSTORE_SERVERS" in os.environ else "local"
     kv = kvstore.create(mode)
+    kv.set_pull_compression(args.pull_codec)  # before any key is initialised
     rank, workers = kv.rank, kv.num_workers
     train_x, train_y, test_x, test_y = load_data(rank, workers, device)
     model = make_model(args.model, args.hidden).to(device)

@@ -61,6 +61,7 @@ _EXAMPLES = {
     wire.MODE: "dist_sync",
     wire.RIDS: [1],
     wire.LANE: 0,
+    wire.VERSION: -1,
 }
 _REALISTIC: dict[Op, list[tuple[dict, list[bytes]]]] = {
     Op.HELLO: [({"r": 0, "nw": 2, "ns": 1, "si": 0, "m": "dist_sync", "ln": 0}, [])],

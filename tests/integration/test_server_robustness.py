@@ -8,10 +8,13 @@ import pytest
 from kvtest import RawClient
 
 import kvstore
+from kvstore import wire
 from kvstore.server.server import INLINE_ELEMS
 from kvstore.wire import Op
 
 pytestmark = pytest.mark.integration
+
+V = wire.PROTOCOL_VERSION
 
 INIT = {"k": "w", "c": 0, "o": 0, "n": 4, "dt": "float32", "sh": [4], "cd": "none", "cp": {}}
 
@@ -39,10 +42,10 @@ def test_garbage_and_malformed_frames_get_error_replies(client, one_server):
     assert_error(reply, "bad_message", "protocol version 99")
     assert reply.rid == 5  # the error reaches the request that caused it
     client.send_frames(
-        [msgpack.packb({"v": 4, "op": 4, "id": 6, "k": 1, "c": 0, "af": 0, "nb": [10]})]
+        [msgpack.packb({"v": V, "op": 4, "id": 6, "k": 1, "c": 0, "af": 0, "nb": [10]})]
     )
     assert_error(client.receive(), "bad_message", "declares 1 payload frames but 0 arrived")
-    client.send_frames([msgpack.packb({"v": 4, "op": 16, "id": 7, "nb": []})])
+    client.send_frames([msgpack.packb({"v": V, "op": 16, "id": 7, "nb": []})])
     assert_error(client.receive(), "bad_message", "REPLY is not a request")
     assert_server_still_serves(one_server)
 
