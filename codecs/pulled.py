@@ -110,6 +110,9 @@ class PublishedWeights:
         self.version = 0
         self.delta: list[bytes] | None = None  # the frames from version - 1 to version
         self._encoder = codec.make_key_encoder(key, numel, "float32", [(0, numel)])
+        for chunk in self._encoder.chunks:  # (its residual is cleared before every encode)
+            if hasattr(chunk, "watch_runaway"):
+                chunk.watch_runaway = False
         self._decoder = DeltaDecoder(codec, numel)
         self._difference = np.empty(numel, dtype=np.float32)
 

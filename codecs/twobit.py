@@ -355,7 +355,9 @@ class _TwoBitEncoder(Encoder):
         self._limit = None if residual_clip is None else residual_limit(threshold, residual_clip)
         # The watch bound as the kernels compare it, in float32; a clip below it never runs away.
         self._runaway_bound = np.float32(np.float32(RUNAWAY_THRESHOLDS) * np.float32(threshold))
-        self._watch = self._limit is None or self._limit >= self._runaway_bound
+        # Whether pushes look for a runaway residual (off for an encoder of pull deltas, whose
+        # residual is cleared before every encode).
+        self.watch_runaway = self._limit is None or self._limit >= self._runaway_bound
         self._warned = warned  # the labels warned about, shared by one codec's encoders
         self._pushes = 0
 
@@ -363,7 +365,7 @@ class _TwoBitEncoder(Encoder):
         """Count the push; every RUNAWAY_CHECK_EVERY pushes look for a runaway residual."""
         self._pushes += 1
         if (
-            not self._watch
+            not self.watch_runaway
             or self._pushes % RUNAWAY_CHECK_EVERY
             or self.label in self._warned
             or self._count_at_least(self._runaway_bound) == 0
