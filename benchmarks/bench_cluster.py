@@ -9,7 +9,10 @@ of ``push`` of every key (backward order: last layer first) and ``pull`` of ever
 * ``2bit``: the same with 2-bit pushes;
 * ``2bit-agg``: 2-bit pushes and no server optimizer: workers pull the round's summed gradient
   (what allreduce returns; they would step their own optimizer), which the servers relay as the
-  round's pushes (N/16 of the dense bytes while N <= 8).
+  round's pushes (N/16 of the dense bytes while N <= 8);
+* ``2bit-both``: 2-bit pushes, SGD on the servers, and 2-bit compressed pulls of the weights'
+  change (``kv.set_pull_compression``, threshold :data:`PULL_THRESHOLD`): 1/16 of the dense
+  bytes both ways.
 
 Workloads: ``key10m``, one 10M-element fp32 key; ``resnet50``, the 161 parameter tensors of
 ResNet-50 (25.6M parameters, ``shared/data/resnet50_param_shapes.json``).
@@ -100,7 +103,7 @@ BUCKET_BYTES = 25 * 1024 * 1024
 PRESETS = {
     "smoke": {
         "workloads": ["key1m"],
-        "codecs": ["none", "2bit", "2bit-agg"],
+        "codecs": ["none", "2bit", "2bit-agg", "2bit-both"],
         "workers": [2],
         "servers": [1],
         "placements": ["separate"],
@@ -111,7 +114,7 @@ PRESETS = {
     },
     "full": {
         "workloads": ["key10m", "resnet50"],
-        "codecs": ["none", "2bit", "2bit-agg"],
+        "codecs": ["none", "2bit", "2bit-agg", "2bit-both"],
         "workers": [1, 2, 4, 8],
         "servers": [1, 2, 4],
         "placements": ["separate", "colocated"],
@@ -142,9 +145,11 @@ def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
     raise ValueError(f"unknown workload {name!r}")
 
 
-CODECS = ("none", "2bit", "2bit-agg")
+CODECS = ("none", "2bit", "2bit-agg", "2bit-both")
 THRESHOLD = 0.5
 """The 2-bit threshold of the workers' pushes (their payload sizes set the floor)."""
+PULL_THRESHOLD = 0.001
+"""The 2-bit threshold of ``2bit-both``'s compressed pulls (of the weights' change)."""
 GLOO_BASELINES = ("gloo-fp32", "gloo-fp16")
 BARE = "zmq"
 BASELINES = (*GLOO_BASELINES, BARE)
@@ -154,7 +159,13 @@ def codec_setup(name: str) -> tuple[str, bool]:
     """(compression type, server optimizer?) of a codec name of :data:`CODECS`."""
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODECS)}")
-    return name.removesuffix("-agg"), not name.endswith("-agg")
+    return name.removesuffix("-agg").removesuffix("-both"), not name.endswith("-agg")
+
+
+def pull_compressed(name: str) -> bool:
+    """Whether a codec name of :data:`CODECS` compresses pulls too (``2bit-both``: 2-bit
+    pushes, a server SGD and 2-bit pulls of the weights' change)."""
+    return name.endswith("-both")
 
 
 def floor_seconds(
@@ -192,6 +203,8 @@ def floor_seconds(
                 chunk.numel, "float32"
             )
             pull = num_workers * push if relayed else 4 * chunk.numel
+            if pull_compressed(codec):  # the same 2-bit payload as a push
+                pull = push
             server_host = server_hosts[chunk.server]
             for worker in range(num_workers):
                 host = worker_hosts[worker]
@@ -220,6 +233,8 @@ def run_worker(args: argparse.Namespace) -> None:
     compression, server_optimizer = codec_setup(args.codec)
     if compression != "none":
         kv.set_gradient_compression({"type": compression, "threshold": THRESHOLD})
+    if pull_compressed(args.codec):
+        kv.set_pull_compression({"type": compression, "threshold": PULL_THRESHOLD})
     if server_optimizer:
         kv.set_optimizer("sgd", learning_rate=0.01, momentum=0.9, rescale_grad=1 / args.num_workers)
     rng = np.random.default_rng(args.rank)

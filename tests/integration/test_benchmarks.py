@@ -76,7 +76,7 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
         assert records[0]["skipped"]
         return
     kv = [r for r in records if r.get("system") == "kvstore"]
-    assert {r["codec"] for r in kv} == {"none", "2bit", "2bit-agg"}
+    assert {r["codec"] for r in kv} == {"none", "2bit", "2bit-agg", "2bit-both"}
     bare = [r for r in records if r.get("system") == "zmq"]
     assert len(bare) == 1, records  # one bare pyzmq cell per configuration
     dense = next(r for r in kv if r["codec"] == "none")
@@ -459,3 +459,22 @@ def _tear_down_leftovers(
         left.append(f"allowed congestion controls {allowed_cc_file.read_text().strip()!r}")
         allowed_cc_file.write_text(allowed_cc)
     return left
+
+
+def test_time_to_accuracy_smoke_or_reports_why_not(tmp_path):
+    out = tmp_path / "tta.jsonl"
+    records = run("time_to_accuracy.py", "--out", str(out), "--table", str(tmp_path / "t.md"))
+    if "skipped" in records[0]:  # no root or no iproute2 here: the harness says why
+        assert records[0]["skipped"]
+        return
+    epochs = [r for r in records if "epoch" in r]
+    assert [r["run"] for r in epochs] == ["ps-2bit", "ddp-fp32"]  # one epoch each
+    for r in epochs:
+        assert 0 < r["accuracy"] <= 1 and r["wall"] == r["seconds"] > 0, r
+    assert epochs[0]["pulled_bytes"] > 0  # the compressed pulls' bytes are reported
+    summary = [r for r in records if "seconds_to_target" in r]
+    assert [r["run"] for r in summary] == ["ps-2bit", "ddp-fp32"]
+    # the table is rebuilt from the JSON lines alone
+    again = run("time_to_accuracy.py", "--from", str(out), "--table", str(tmp_path / "u.md"))
+    assert [r for r in again if "seconds_to_target" in r] == summary
+    assert (tmp_path / "u.md").read_text() == (tmp_path / "t.md").read_text()

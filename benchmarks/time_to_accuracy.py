@@ -1,0 +1,304 @@
+"""Wall time to a test accuracy: the parameter server, dense and compressed both ways, against
+torch DDP (gloo allreduce, fp32 and torch's PowerSGD hook), on shaped links.
+
+Each run trains the MNIST example's model (``--model``, CNN by default) with ``--workers``
+workers, one per host of a shaped-link cluster (network namespaces, ``--rate`` Mbit/s full
+duplex each, :mod:`netns`), for ``--epochs`` epochs, and reads worker 0's per-epoch test
+accuracy and seconds. Parameter-server runs put one server on each worker's host (colocated:
+each host's link carries a share of the keys, like the ring of allreduce) and run
+``examples/mnist/train.py`` with the servers' SGD; DDP runs ``benchmarks/ddp_mnist.py`` with
+the same model, data shards, batch, seed and SGD. Runs (:data:`RUNS`):
+
+* ``ps-dense``: dense pushes and pulls;
+* ``ps-2bit``: 2-bit pushes (``residual_clip: 1``, for the servers' momentum) and 2-bit
+  compressed pulls of the weights' change;
+* ``ps-2bit-bf16``: 2-bit pushes and bf16 compressed pulls;
+* ``ps-topk``: top-k pushes (ratio 0.01) and top-k compressed pulls (ratio 0.01);
+* ``ddp-fp32``: DDP's allreduce of fp32 gradients;
+* ``ddp-powersgd``: DDP with torch's PowerSGD hook, rank 4.
+
+Prints a JSON line per epoch of each run (its cumulative seconds included) and one per run
+with the seconds to ``--target`` (null when the run never got there); ``--table`` and
+``--plot`` write a markdown table and a plot of accuracy against wall time.
+
+    python benchmarks/time_to_accuracy.py --preset full --table tta.md --plot docs/img/tta.png
+    python benchmarks/time_to_accuracy.py --from results/time_to_accuracy.jsonl --table t.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+TRAIN = HERE.parent / "examples" / "mnist" / "train.py"
+DDP = HERE / "ddp_mnist.py"
+
+from common import append_jsonl, emit, machine  # noqa: E402
+
+RUNS: dict[str, dict[str, Any]] = {
+    "ps-dense": {"push": "none", "pull": "none"},
+    "ps-2bit": {"push": "2bit:threshold=0.01,residual_clip=1", "pull": "2bit:threshold=0.002"},
+    "ps-2bit-bf16": {"push": "2bit:threshold=0.01,residual_clip=1", "pull": "bf16"},
+    "ps-topk": {"push": "topk:ratio=0.01", "pull": "topk:ratio=0.01"},
+    "ddp-fp32": {"ddp": 0},
+    "ddp-powersgd": {"ddp": 4},
+}
+
+PRESETS = {
+    "smoke": {"runs": ["ps-2bit", "ddp-fp32"], "epochs": 1, "rate": 1000.0, "workers": 2,
+              "model": "mlp"},
+    "full": {"runs": list(RUNS), "epochs": 8, "rate": 100.0, "workers": 4, "model": "cnn"},
+}  # fmt: skip
+
+
+def _ready_address(process: subprocess.Popen) -> str:
+    line = process.stdout.readline()
+    if not line.startswith("KVSTORE_READY"):
+        raise RuntimeError(f"a server did not start: {line!r}")
+    return line.split()[1]
+
+
+def _common_training(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--epochs", str(args.epochs), "--lr", str(args.lr),
+            "--momentum", str(args.momentum), "--seed", str(args.seed)]  # fmt: skip
+
+
+def run_ps(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
+    """Start colocated servers and the workers of a parameter-server run; worker 0's process."""
+    n, py = args.workers, sys.executable
+    env = {**os.environ, "KVSTORE_LOG_LEVEL": "ERROR"}
+    servers = [
+        cluster.popen(
+            host,
+            [
+                py,
+                "-m",
+                "kvstore.server",
+                "--host",
+                cluster.hosts[host].address,
+                "--port",
+                "0",
+                "--server-rank",
+                str(host),
+                "--num-servers",
+                str(n),
+                "--num-workers",
+                str(n),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for host in range(n)
+    ]
+    addresses = ",".join(_ready_address(s) for s in servers)
+    workers = []
+    for rank in range(n):
+        worker_env = {**env, "KVSTORE_SERVERS": addresses, "KVSTORE_RANK": str(rank),
+                      "KVSTORE_NUM_WORKERS": str(n)}  # fmt: skip
+        argv = [py, str(TRAIN), "--no-progress", "--json", "-", "--optimizer", "server",
+                "--compression", run["push"], "--pull-compression", run["pull"],
+                *_common_training(args)]  # fmt: skip
+        workers.append(
+            cluster.popen(
+                rank,
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=worker_env,
+            )  # fmt: skip
+        )
+    return workers[0]
+
+
+def run_ddp(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
+    """Start the DDP workers; worker 0's process."""
+    master = f"{cluster.hosts[0].address}:29511"
+    workers = []
+    for rank in range(args.workers):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
+        argv = [sys.executable, str(DDP), "--master", master, "--rank", str(rank),
+                "--num-workers", str(args.workers), "--powersgd", str(run["ddp"]),
+                *_common_training(args)]  # fmt: skip
+        workers.append(
+            cluster.popen(
+                rank, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )  # fmt: skip
+        )
+    return workers[0]
+
+
+def run_one(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
+    """Train run ``name`` on a fresh cluster; worker 0's epoch records (cumulative seconds in
+    ``wall``)."""
+    from netns import Cluster
+
+    run = RUNS[name]
+    records: list[dict[str, Any]] = []
+    with Cluster(args.workers, args.rate) as cluster:
+        lead = (run_ddp if "ddp" in run else run_ps)(cluster, args, run)
+        deadline = time.monotonic() + args.timeout
+        output = []
+        wall = 0.0
+        for line in lead.stdout:
+            output.append(line)
+            if line.startswith("{") and '"epoch"' in line:
+                epoch = json.loads(line)
+                wall += epoch["seconds"]
+                records.append({"bench": "time_to_accuracy", "run": name, **_spec(run),
+                                "epoch": epoch["epoch"], "accuracy": epoch["accuracy"],
+                                "seconds": round(epoch["seconds"], 3), "wall": round(wall, 3),
+                                **({"pulled_bytes": epoch["pulled_bytes"]}
+                                   if "pulled_bytes" in epoch else {})})  # fmt: skip
+            if time.monotonic() > deadline:
+                break
+        lead.wait(timeout=max(1.0, deadline - time.monotonic()))
+        cluster.stop_processes()
+        if len(records) < args.epochs:
+            raise RuntimeError(f"{name}: {len(records)} of {args.epochs} epochs; worker 0 said "
+                               f"{''.join(output[-20:])[-1500:]}")  # fmt: skip
+    return records
+
+
+def _spec(run: dict[str, Any]) -> dict[str, Any]:
+    if "ddp" in run:
+        return {"system": "ddp", "powersgd_rank": run["ddp"]}
+    return {"system": "kvstore", "push": run["push"], "pull": run["pull"]}
+
+
+def time_to(records: list[dict[str, Any]], target: float) -> float | None:
+    """The wall seconds at the end of the first epoch at or above ``target``."""
+    return next((r["wall"] for r in records if r["accuracy"] >= target), None)
+
+
+def summaries(by_run: dict[str, list[dict[str, Any]]], target: float) -> list[dict[str, Any]]:
+    return [
+        {
+            "bench": "time_to_accuracy",
+            "run": name,
+            "target": target,
+            "seconds_to_target": time_to(records, target),
+            "final_accuracy": records[-1]["accuracy"] if records else None,
+            "epochs": len(records),
+        }  # fmt: skip
+        for name, records in by_run.items()
+    ]
+
+
+def write_table(path: Path, summary: list[dict[str, Any]], target: float) -> None:
+    times = {s["run"]: s["seconds_to_target"] for s in summary}
+    header = f"| run | seconds to {target:.0%} | final accuracy | dense PS / run | DDP fp32 / run |"
+    lines = [header, "|---|---|---|---|---|"]
+    for s in summary:
+        t = s["seconds_to_target"]
+
+        def ratio(base: str, t: float | None = t) -> str:
+            b = times.get(base)
+            return f"{b / t:.2f}x" if b and t else "-"
+
+        shown = f"{t:.1f}" if t is not None else "not reached"
+        lines.append(f"| {s['run']} | {shown} | {s['final_accuracy']:.2%} | {ratio('ps-dense')} | "
+                     f"{ratio('ddp-fp32')} |")  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, by_run: dict[str, list[dict[str, Any]]], target: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, records in by_run.items():
+        ax.plot([0] + [r["wall"] for r in records], [0.1] + [r["accuracy"] for r in records],
+                marker="o", label=name)  # fmt: skip
+    ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.0%}")
+    ax.set_xlabel("wall seconds (training and worker 0's evaluation)")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0.8, 1.0)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    parser.add_argument("--runs", nargs="+", choices=sorted(RUNS))
+    parser.add_argument("--workers", type=int)
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--rate", type=float, help="Mbit/s of every host's link")
+    parser.add_argument("--model", choices=["mlp", "cnn"])
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target", type=float, default=0.97, help="test accuracy to reach")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    parser.add_argument("--table", type=Path, help="write a markdown table")
+    parser.add_argument("--plot", type=Path, help="write a PNG of accuracy against wall time")
+    parser.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        help="train nothing: rebuild --table and --plot from earlier JSON lines",
+    )
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    for name in ("runs", "workers", "epochs", "rate", "model"):
+        if getattr(args, name) is None:
+            setattr(args, name, preset[name])
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    if args.source is not None:
+        for line in args.source.read_text().splitlines():
+            record = json.loads(line)
+            if "epoch" in record:
+                by_run.setdefault(record["run"], []).append(record)
+    else:
+        from netns import available
+
+        why_not = available()
+        if why_not is not None:
+            emit({"bench": "time_to_accuracy", "skipped": why_not})
+            return 0
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: namespaces go
+        started = time.time()
+        for name in args.runs:
+            try:
+                records = run_one(args, name)
+            except Exception as exc:
+                emit(failed := {"bench": "time_to_accuracy", "run": name,
+                                "error": str(exc)[-1500:]})  # fmt: skip
+                append_jsonl(args.out, failed)
+                continue
+            by_run[name] = records
+            for record in records:
+                emit(record)
+                append_jsonl(args.out, record)
+        emit({"bench": "time_to_accuracy", "preset": args.preset, "machine": machine(),
+              "workers": args.workers, "rate_mbit": args.rate,
+              "wall_seconds": round(time.time() - started, 1)})  # fmt: skip
+    summary = summaries(by_run, args.target)
+    for line in summary:
+        emit(line)
+    if args.table is not None:
+        write_table(args.table, summary, args.target)
+    if args.plot is not None and by_run:
+        title = f"MNIST {args.model.upper()}, {args.workers} workers, {args.rate:g} Mbit/s links"
+        plot(args.plot, by_run, args.target, title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
