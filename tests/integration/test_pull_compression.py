@@ -14,7 +14,7 @@ from kvstore.errors import CodecError, UsageError
 pytestmark = pytest.mark.integration
 
 WORKERS = 2
-BIG = 300_007  # split over both servers, several chunks
+BIG = 100_003  # split over both servers, several chunks
 SMALL = 1_001
 STEPS = 6
 LR = 0.1
@@ -36,7 +36,7 @@ def _job(addresses, pull, mode="dist_sync", skipping_rank=None, push="none"):
             rank=rank,
             num_workers=WORKERS,
             timeout=60,
-            partition_bytes=256 * 1024,
+            partition_bytes=64 * 1024,
         )
         with kv:
             kv.set_gradient_compression({"type": push})
