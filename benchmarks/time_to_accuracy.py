@@ -14,6 +14,7 @@ the same model, data shards, batch, seed and SGD. Runs (:data:`RUNS`):
   compressed pulls of the weights' change;
 * ``ps-2bit-bf16``: 2-bit pushes and bf16 compressed pulls;
 * ``ps-topk``: top-k pushes (ratio 0.01) and top-k compressed pulls (ratio 0.01);
+* ``ps-topk-5``: the same with pulls of ratio 0.05;
 * ``ddp-fp32``: DDP's allreduce of fp32 gradients;
 * ``ddp-powersgd``: DDP with torch's PowerSGD hook, rank 4.
 
@@ -49,6 +50,7 @@ RUNS: dict[str, dict[str, Any]] = {
     "ps-2bit": {"push": "2bit:threshold=0.01,residual_clip=1", "pull": "2bit:threshold=0.002"},
     "ps-2bit-bf16": {"push": "2bit:threshold=0.01,residual_clip=1", "pull": "bf16"},
     "ps-topk": {"push": "topk:ratio=0.01", "pull": "topk:ratio=0.01"},
+    "ps-topk-5": {"push": "topk:ratio=0.01", "pull": "topk:ratio=0.05"},
     "ddp-fp32": {"ddp": 0},
     "ddp-powersgd": {"ddp": 4},
 }
