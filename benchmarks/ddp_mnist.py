@@ -28,6 +28,7 @@ sys.path.insert(0, str(EXAMPLE))
 
 from mnist_data import load_data, train_images_per_worker  # noqa: E402
 from mnist_models import make_model  # noqa: E402
+from train import accuracy  # noqa: E402  (the example's own test accuracy)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,17 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--powersgd", type=int, default=0, metavar="RANK", help="PowerSGD hook rank (0: fp32)"
     )
     return parser.parse_args(argv)
-
-
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 500) -> float:
-    model.eval()
-    with torch.no_grad():
-        correct = sum(
-            (model(x[i : i + batch]).argmax(dim=1) == y[i : i + batch]).sum().item()
-            for i in range(0, len(y), batch)
-        )
-    model.train()
-    return correct / len(y)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(HERE))
 TRAIN = HERE.parent / "examples" / "mnist" / "train.py"
 DDP = HERE / "ddp_mnist.py"
 
+from bench_cluster import _addresses as server_addresses  # noqa: E402
 from common import append_jsonl, emit, machine  # noqa: E402
 
 RUNS: dict[str, dict[str, Any]] = {
@@ -60,13 +61,6 @@ PRESETS = {
               "model": "mlp"},
     "full": {"runs": list(RUNS), "epochs": 8, "rate": 100.0, "workers": 4, "model": "cnn"},
 }  # fmt: skip
-
-
-def _ready_address(process: subprocess.Popen) -> str:
-    line = process.stdout.readline()
-    if not line.startswith("KVSTORE_READY"):
-        raise RuntimeError(f"a server did not start: {line!r}")
-    return line.split()[1]
 
 
 def _common_training(args: argparse.Namespace) -> list[str]:
@@ -102,7 +96,7 @@ def run_ps(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subpr
         )  # fmt: skip
         for host in range(n)
     ]
-    addresses = ",".join(_ready_address(s) for s in servers)
+    addresses = ",".join(server_addresses(servers))
     workers = []
     for rank in range(n):
         worker_env = {**env, "KVSTORE_SERVERS": addresses, "KVSTORE_RANK": str(rank),

@@ -657,12 +657,7 @@ class KVStore:
         """
         self._check_open()
         with self._api_lock:
-            if self._keys:
-                some = ", ".join(repr(k) for k in list(self._keys)[:5])
-                raise UsageError(
-                    f"set_gradient_compression must be called before init; keys already "
-                    f"initialised: {some}"
-                )
+            self._check_before_init("set_gradient_compression")
             codec = codec_from_spec(compression_params)
             self._check_round_trips(codec)
             if self._optimizer is not None:  # e.g. DGC after an optimizer with momentum
@@ -692,13 +687,14 @@ class KVStore:
         """
         self._check_open()
         with self._api_lock:
-            if self._keys:
-                some = ", ".join(repr(k) for k in list(self._keys)[:5])
-                raise UsageError(
-                    f"set_pull_compression must be called before init; keys already "
-                    f"initialised: {some}"
-                )
+            self._check_before_init("set_pull_compression")
             self._pull_codec = pull_codec_from_spec(spec)
+
+    def _check_before_init(self, call: str) -> None:
+        """Refuse ``call`` (a setting fixed at init) once a key is initialised."""
+        if self._keys:
+            some = ", ".join(repr(k) for k in list(self._keys)[:5])
+            raise UsageError(f"{call} must be called before init; keys already initialised: {some}")
 
     def _check_round_trips(self, codec: Codec) -> None:
         """Refuse a codec with several round trips per step in ``dist_async``."""
