@@ -103,7 +103,7 @@ BUCKET_BYTES = 25 * 1024 * 1024
 PRESETS = {
     "smoke": {
         "workloads": ["key1m"],
-        "codecs": ["none", "2bit", "2bit-agg", "2bit-both"],
+        "codecs": ["none", "2bit", "2bit-agg"],
         "workers": [2],
         "servers": [1],
         "placements": ["separate"],
