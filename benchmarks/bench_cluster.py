@@ -92,7 +92,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 import round_trace  # noqa: E402
-from common import append_jsonl, emit, machine  # noqa: E402
+from common import append_jsonl, emit, machine, server_addresses  # noqa: E402
 from link_trace import LinkTrace, by_role, summarize  # noqa: E402
 from netns import DEFAULT_GSO_MAX_BYTES, check_gso_max_bytes  # noqa: E402
 
@@ -603,7 +603,7 @@ def _run_cell(
         )
         for rank, host in enumerate(server_hosts)
     ]
-    addresses = _addresses(servers)
+    addresses = server_addresses(servers)
     floor, busiest = floor_seconds(
         workload(workload_name), codec, n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
     )
@@ -618,17 +618,6 @@ def _run_cell(
     roles = _host_roles(server_hosts, worker_hosts) if args.link_trace else None
     return _measure(cluster, workers, servers + workers, what, args.timeout,
                     floor, warmup, roles, after_stop, busiest_link_bytes=int(busiest))  # fmt: skip
-
-
-def _addresses(servers: list[subprocess.Popen]) -> list[str]:
-    """The servers' addresses, from the ``KVSTORE_READY`` line each prints once bound."""
-    addresses = []
-    for process in servers:
-        line = process.stdout.readline()
-        if not line.startswith("KVSTORE_READY"):
-            raise RuntimeError(f"a server did not start: {line!r}")
-        addresses.append(line.split()[1])
-    return addresses
 
 
 def run_baseline(cluster, args, workload_name, baseline, n) -> dict:

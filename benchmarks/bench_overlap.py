@@ -67,7 +67,7 @@ from typing import Any
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from common import append_jsonl, emit, machine  # noqa: E402
+from common import append_jsonl, emit, machine, server_addresses  # noqa: E402
 
 PUSH_AFTER_BACKWARD = "push-after-backward"
 WRAPPER_PLANS = ("none", "bucket", "mgs", "mgs-measured")
@@ -564,7 +564,7 @@ def _run_job(hosts: Any, settings: dict[str, Any], servers: int, timeout: float)
         server_processes.append(
             hosts.popen(rank, argv, stdout=subprocess.PIPE, text=True, env=server_env)
         )
-    addresses = " ".join(_addresses(server_processes))
+    addresses = " ".join(server_addresses(server_processes))
     for worker in workers:
         worker.stdin.write(addresses + "\n")
         worker.stdin.flush()  # (communicate() closes it)
@@ -657,17 +657,6 @@ def _ratios(records: list[dict[str, Any]], baseline: dict[str, Any]) -> dict[str
         "best_ratio": min(ratios.values()) if ratios else None,
         "target_ratio": TARGET_RATIO,
     }
-
-
-def _addresses(servers: list[subprocess.Popen]) -> list[str]:
-    """The servers' addresses, from the ``KVSTORE_READY`` line each prints once bound."""
-    addresses = []
-    for process in servers:
-        line = process.stdout.readline()
-        if not line.startswith("KVSTORE_READY"):
-            raise RuntimeError(f"a server did not start: {line!r}")
-        addresses.append(line.split()[1])
-    return addresses
 
 
 def _collect(workers: list[subprocess.Popen], timeout: float) -> list[dict[str, Any]]:

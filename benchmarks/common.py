@@ -112,3 +112,15 @@ def stop_processes(processes: list[subprocess.Popen]) -> None:
             process.kill()
     for process in processes:
         process.wait()
+
+
+def server_addresses(servers: list[subprocess.Popen]) -> list[str]:
+    """The servers' addresses, from the ``KVSTORE_READY`` line each prints once bound (their
+    stdout a text pipe)."""
+    addresses = []
+    for process in servers:
+        line = process.stdout.readline()
+        if not line.startswith("KVSTORE_READY"):
+            raise RuntimeError(f"a server did not start: {line!r}")
+        addresses.append(line.split()[1])
+    return addresses

@@ -43,8 +43,7 @@ sys.path.insert(0, str(HERE))
 TRAIN = HERE.parent / "examples" / "mnist" / "train.py"
 DDP = HERE / "ddp_mnist.py"
 
-from bench_cluster import _addresses as server_addresses  # noqa: E402
-from common import append_jsonl, emit, machine  # noqa: E402
+from common import append_jsonl, emit, machine, server_addresses  # noqa: E402
 
 RUNS: dict[str, dict[str, Any]] = {
     "ps-dense": {"push": "none", "pull": "none"},

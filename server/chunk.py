@@ -146,24 +146,25 @@ class ChunkState:
             )
         return self._aggregator
 
-    def set_initial_value(self, values: np.ndarray) -> None:
-        """Store rank 0's init value (copied: the frame's memory belongs to ZeroMQ)."""
+    def set_initial_value(self, values: np.ndarray, mode: str) -> None:
+        """Store rank 0's init value (copied: the frame's memory belongs to ZeroMQ); with
+        compressed pulls in ``dist_sync``, the workers' ``w_pub`` too (``dist_async`` makes one
+        per worker at its first pull)."""
         wire = np.array(values, dtype=np.dtype(self.spec.dtype), copy=True)
         self.relay = None
         acc = accumulator_dtype(self.spec.dtype)
         self.master = None if wire.dtype == acc else wire.astype(acc)
         self.value = PublishedValue(wire)
         self.pull_by_rank = {}
-        if self.pull_codec is not None:
+        if self.pull_codec is not None and mode != "dist_async":
             self.pull = PublishedWeights(self.pull_codec, self.spec.key, wire)
 
-    def pulled_weights(self, rank: int, mode: str) -> PublishedWeights:
+    def pulled_weights(self, rank: int) -> PublishedWeights:
         """The ``w_pub`` a compressed pull of worker ``rank`` is answered from: the one of all
         workers in ``dist_sync``; in ``dist_async`` the worker's own (the current value at its
         first pull), moved on to the current value when the worker holds its version."""
         assert self.value is not None and self.pull_codec is not None
-        if mode != "dist_async":
-            assert self.pull is not None
+        if self.pull is not None:
             return self.pull
         own = self.pull_by_rank.get(rank)
         if own is None:

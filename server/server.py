@@ -185,15 +185,6 @@ class _Job:
     failed: set[tuple[bytes, int]] = field(default_factory=set)
 
 
-def _pull_version(msg: Message) -> int | None:
-    """The ``w_pub`` version a request that wants values says its worker holds (``pv``;
-    None: the worker's pulls are not compressed)."""
-    held = msg.get("pv")
-    if held is not None and (not isinstance(held, int) or isinstance(held, bool) or held < -1):
-        raise RequestError(ErrorCode.BAD_MESSAGE, f"pv must be an integer >= -1, got {held!r}")
-    return held
-
-
 def _peer(identity: bytes) -> str:
     return identity.decode("ascii", "replace")
 
@@ -483,14 +474,10 @@ class ShardServer:
         """Answer a compressed pull (see :mod:`kvstore.codecs.pulled`): nothing, the delta to
         the current ``w_pub`` or ``w_pub`` whole, by the version the worker holds."""
         assert chunk.value is not None and reply.pull_version is not None
-        mode = self._job.mode
-        weights = chunk.pulled_weights(reply.rank, mode)
+        weights = chunk.pulled_weights(reply.rank)
         held = reply.pull_version
-        if mode == "dist_async" and held == weights.version:
-            try:  # this worker's own w_pub moves on to the current value now
-                weights.advance(chunk.value.current)
-            except CodecError as exc:  # (advance itself falls back to dense on NaN)
-                raise RequestError(ErrorCode.CODEC, f"{chunk.spec.name}: {exc}") from exc
+        if self._job.mode == "dist_async" and held == weights.version:
+            weights.advance(chunk.value.current)  # this worker's own w_pub moves on now
         kind, frames = weights.reply(held)
         fields.update(pc=kind, pv=weights.version, pb=weights.version - 1)
         self._send(reply.identity, wire.reply(reply.rid, fields, frames), reply.op)
@@ -922,7 +909,7 @@ class ShardServer:
             # Rank 0's declaration is the reference; earlier different ones are refused now.
             chunk.spec, chunk.codec = spec, codec
             chunk.pull_codec = pull_codec_from_spec(dict(spec.pull)) if spec.pull else None
-            chunk.set_initial_value(values)
+            chunk.set_initial_value(values, self._job.mode)
             chunk.declared[0] = spec
             self._send_ack(reply)
             waiting, chunk.init_waiters = chunk.init_waiters, []
@@ -1001,7 +988,7 @@ class ShardServer:
             )
         want_value = msg.op is Op.PUSHPULL
         reply = PendingReply(
-            identity, msg.rid, rank, want_value, msg.op, msg.get("rx", 0), _pull_version(msg)
+            identity, msg.rid, rank, want_value, msg.op, msg.get("rx", 0), msg.get("pv")
         )
         if job.mode == "dist_async":
             self._inline.submit(self._push_async(chunk, reply, msg.payloads))
@@ -1127,7 +1114,7 @@ class ShardServer:
     async def _advance_pulled(self, chunk: ChunkState) -> None:
         """With compressed pulls in dist_sync: encode this round's delta once, for every
         worker's pull (dist_async encodes per worker, at its pull)."""
-        if chunk.pull is not None and self._job.mode != "dist_async":
+        if chunk.pull is not None:  # (dist_sync only)
             assert chunk.value is not None
             await self._run(chunk, chunk.pull.advance, chunk.value.current)
 
@@ -1159,7 +1146,7 @@ class ShardServer:
     def _on_pull(self, identity: bytes, rank: int, msg: Message) -> None:
         chunk = self._ready_chunk(rank, msg)
         reply = PendingReply(
-            identity, msg.rid, rank, True, Op.PULL, msg.get("rx", 0), _pull_version(msg)
+            identity, msg.rid, rank, True, Op.PULL, msg.get("rx", 0), msg.get("pv")
         )
         if chunk.applied[rank] >= msg["af"]:
             self._send_value(reply, chunk)

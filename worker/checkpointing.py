@@ -33,25 +33,18 @@ def _key_id(key: Any) -> tuple[str, Any]:
 
 
 def codec_state(keys: Iterable[Any], rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The arrays and metadata of worker ``rank``'s part, from its ``_KeyState`` objects."""
+    """The arrays and metadata of worker ``rank``'s part, from its ``_KeyState`` objects: the
+    chunks of :func:`codec_state_dict`, their arrays stored apart under ``key.chunk.name``."""
     arrays: dict[str, np.ndarray] = {}
     described = []
-    for k, state in enumerate(keys):
+    for k, key in enumerate(codec_state_dict(keys, rank)["keys"]):
         chunks = []
-        for chunk in state.chunks:
-            saved = _chunk_state(state, chunk.index)
-            chunks.append(
-                {
-                    "index": chunk.index,
-                    "start": chunk.start,
-                    "numel": chunk.numel,
-                    "pushes": state.pushes_sent[chunk.index] if state.pushes_sent else 0,
-                    "state": None if saved is None else sorted(saved),
-                }
-            )
+        for chunk in key["chunks"]:
+            saved = chunk["state"]
+            chunks.append({**chunk, "state": None if saved is None else sorted(saved)})
             for name, array in (saved or {}).items():
-                arrays[f"{k}.{chunk.index}.{name}"] = array
-        described.append({"key": state.key, "chunks": chunks})
+                arrays[f"{k}.{chunk['index']}.{name}"] = array
+        described.append({"key": key["key"], "chunks": chunks})
     return arrays, {"kind": "worker", "rank": rank, "keys": described}
 
 
@@ -284,15 +277,7 @@ def _check_chunks(state: Any, chunks: Any, rank: int) -> list[dict[str, np.ndarr
                 )
         copies.append({str(name): np.array(array, copy=True) for name, array in saved.items()})
     # The encoders check names, shapes, dtypes and scalars (a push count >= 0) themselves.
-    probe = state.codec.make_key_encoder(
-        state.key,
-        state.numel,
-        state.dtype,
-        [(chunk.start, chunk.stop) for chunk in state.chunks],
-        None,
-        worker=rank,
-        shape=state.shape,
-    )
+    probe = state.new_key_encoder(None, rank)
     for chunk, encoder, saved in zip(state.chunks, probe.chunks, copies, strict=True):
         try:
             encoder.load_state(saved)

@@ -180,6 +180,14 @@ class _KeyState:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def new_key_encoder(self, device: Any, worker: int) -> KeyEncoder:
+        """A fresh encoder of the key's chunks for worker rank ``worker`` on ``device`` (None:
+        the host), its state at zero."""
+        bounds = [(chunk.start, chunk.stop) for chunk in self.chunks]
+        return self.codec.make_key_encoder(
+            self.key, self.numel, self.dtype, bounds, device, worker=worker, shape=self.shape
+        )
+
     def describe(self) -> str:
         return f"key {self.key!r} (shape {self.shape}, {self.dtype})"
 
@@ -898,15 +906,7 @@ class KVStore:
                 logger.warning("%s moved between host and GPU; residuals reset", state.describe())
                 state.restored = None
             state.encoder_device = device
-            key_encoder = state.codec.make_key_encoder(
-                state.key,
-                state.numel,
-                state.dtype,
-                [(chunk.start, chunk.stop) for chunk in state.chunks],
-                device,
-                worker=self.rank,
-                shape=state.shape,
-            )
+            key_encoder = state.new_key_encoder(device, self.rank)
             for encoder in key_encoder.chunks:  # named in the encoders' warnings
                 encoder.label = state.describe()
             if state.restored is not None:  # from load_checkpoint
