@@ -233,6 +233,10 @@ class ZeroCopySender:
     """
 
     def __init__(self, native: bool | None = None) -> None:
+        # Loaded here, on the constructing thread, before the sending thread exists, and not
+        # at the first large send: loading it starts numba, and numba's own start-up can
+        # deadlock when two threads enter it at once (seen: this cfunc on a sending thread
+        # against a codec kernel's first compile on another).
         self._native = _get_native() if native is not False else None
         if native and self._native is None:
             raise RuntimeError("native zero-copy sends are not available on this system")

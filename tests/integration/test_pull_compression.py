@@ -4,6 +4,8 @@ servers' true weights, for fewer bytes than dense pulls."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from kvtest import run_ranks
@@ -140,16 +142,24 @@ def test_pull_compression_is_set_before_init_and_checked(servers_factory):
 
 def test_workers_that_disagree_are_refused_at_init(servers_factory):
     addresses = servers_factory(1, WORKERS)
+    # Every worker is in the job before any inits, and none leaves before all were answered:
+    # a server whose last worker left forgets the job, so a rank that came late (a loaded
+    # machine) would join a new one and wait for a rank 0 that never inits.
+    connected = threading.Barrier(WORKERS, timeout=60)  # the timeouts are hang guards
+    answered = threading.Barrier(WORKERS, timeout=60)
 
     def worker(rank):
         with kvstore.create(
             "dist_sync", servers=addresses, rank=rank, num_workers=WORKERS, timeout=30
         ) as kv:
             kv.set_pull_compression({"type": "bf16" if rank == 0 else "fp16"})
+            connected.wait()
             try:
                 kv.init("w", np.zeros(10, np.float32))
             except kvstore.KVStoreError as exc:
                 return str(exc)
+            finally:
+                answered.wait()
             return None
 
     errors = run_ranks(WORKERS, worker, timeout=60)
