@@ -31,6 +31,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
+import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
+
 _U = np.uint32
 
 ABS_MASK = _U(0x7FFF_FFFF)

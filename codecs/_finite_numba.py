@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from numba import njit
 
+import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
+
 
 @njit(nogil=True, cache=True)
 def count_nonfinite(bits, mask):

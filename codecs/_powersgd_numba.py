@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
+
 _EXACT = {"contract"}  # fused multiply-adds only: the products are exact (see above)
 
 

@@ -35,6 +35,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
+import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
+
 LANES = 32
 _UNIFORM_SCALE = np.float32(2.0**-24)
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
 from kvstore.codecs._quant_numba import combine_lanes, lane_sum, stack_lanes
 
 LANES = 32

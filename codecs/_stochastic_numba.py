@@ -36,6 +36,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
 from kvstore.codecs._quant_numba import combine_lanes, lane_sum, stack_lanes, uniform
 
 LANES = 32

@@ -28,6 +28,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
+
 BLOCK = 2048
 """Elements per block: 2 KiB of codes, 8 KiB of floats per stream: well inside L1."""
 

@@ -18,7 +18,10 @@ when a send finishes.
 
 The sender calls libzmq through ``ctypes`` (``zmq_msg_init_data`` and ``zmq_msg_send``) on the
 socket's own handle, in the same library pyzmq loaded. Where that library or numba is not
-available, the sender falls back to pyzmq's own zero-copy sends (same results, more CPU).
+available, the sender falls back to pyzmq's own zero-copy sends (same results, more CPU). The
+free function is loaded when a sender first meets a large buffer, on the thread that sends it
+(after numba's one start-up, :mod:`kvstore.codecs.numba_started`): a process that never sends
+one does not start numba for it.
 
 Frames below :data:`COPY_THRESHOLD` bytes, ``bytes`` headers for example, are copied by pyzmq as
 usual (copying them costs less than tracking them), and ``zmq.Frame`` objects (received
@@ -119,6 +122,8 @@ def _load_native() -> _Native | None:
         return None
     try:
         import numba  # noqa: PLC0415  (compiled on first use, cached on disk)
+
+        import kvstore.codecs.numba_started  # noqa: F401, PLC0415  (before any compile)
 
         @numba.cfunc("void(voidptr, voidptr)", nopython=True, cache=True)
         def release(data, hint):  # pragma: no cover  (runs on a libzmq I/O thread)
@@ -233,11 +238,10 @@ class ZeroCopySender:
     """
 
     def __init__(self, native: bool | None = None) -> None:
-        # Loaded here, on the constructing thread, before the sending thread exists, and not
-        # at the first large send: loading it starts numba, and numba's own start-up can
-        # deadlock when two threads enter it at once (seen: this cfunc on a sending thread
-        # against a codec kernel's first compile on another).
-        self._native = _get_native() if native is not False else None
+        # By default the free function is loaded (numba: a few hundred ms of CPU) at the first
+        # large buffer, not here: a process that only sends small frames never pays for it.
+        self._native_pending = native is None
+        self._native = _get_native() if native else None
         if native and self._native is None:
             raise RuntimeError("native zero-copy sends are not available on this system")
         self._slabs: list[_Slab] = []
@@ -249,7 +253,11 @@ class ZeroCopySender:
 
     @property
     def native(self) -> bool:
-        """Whether sends use the compiled free function (else pyzmq's collector)."""
+        """Whether large buffers are sent with the compiled free function (else pyzmq's
+        collector); loads it if no send has yet."""
+        if self._native_pending:
+            self._native_pending = False
+            self._native = _get_native()
         return self._native is not None
 
     @property
@@ -265,8 +273,7 @@ class ZeroCopySender:
         Raises ``zmq.ZMQError`` like ``sock.send_multipart`` (a frame that could not be sent is
         released at once).
         """
-        native = self._native
-        if native is None:
+        if self._native is None and not self._goes_native(frames):
             return _send_with_pyzmq(sock, frames, flags, track)
         if self._in_flight >= REAP_AFTER:
             self.reap()
@@ -283,6 +290,16 @@ class ZeroCopySender:
         if not track:
             return None
         return SendTicket(parts) if parts else _DONE
+
+    def _goes_native(self, frames: Sequence[Any]) -> bool:
+        """Whether a sender whose free function is not loaded sends ``frames`` on the native
+        path: yes while every frame is small (they are copied, no free function runs), and at
+        the first large one if the free function then loads."""
+        if not self._native_pending:
+            return False
+        if all(_large_array(frame) is None for frame in frames):
+            return True
+        return self.native
 
     def _send_array(
         self, sock: zmq.Socket, array: np.ndarray, owner: Any, flags: int
