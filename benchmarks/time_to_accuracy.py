@@ -152,6 +152,7 @@ def run_one(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         deadline = time.monotonic() + args.timeout
         output = []
         wall = 0.0
+        arrived = timed_out = False
         for line in lead.stdout:
             output.append(line)
             if line.startswith("{") and '"epoch"' in line:
@@ -162,15 +163,14 @@ def run_one(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
                                 "seconds": round(epoch["seconds"], 3), "wall": round(wall, 3),
                                 **({"pulled_bytes": epoch["pulled_bytes"]}
                                    if "pulled_bytes" in epoch else {})})  # fmt: skip
-                if epoch["accuracy"] >= args.target and not args.no_stop:
-                    break  # arrived: the rest of the run would not change its time
+                arrived = epoch["accuracy"] >= args.target and not args.no_stop
+                if arrived:
+                    break  # the rest of the run would not change its time
             if time.monotonic() > deadline:
+                timed_out = True
                 break
-        ended = bool(records) and (time.monotonic() > deadline or len(records) == args.epochs
-                                   or (records[-1]["accuracy"] >= args.target
-                                       and not args.no_stop))  # fmt: skip
         cluster.stop_processes()
-        if not ended:
+        if not records or not (arrived or timed_out or len(records) == args.epochs):
             raise RuntimeError(f"{name}: the workers stopped after {len(records)} of "
                                f"{args.epochs} epochs; worker 0 said "
                                f"{''.join(output[-20:])[-1500:]}")  # fmt: skip
