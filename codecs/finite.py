@@ -35,12 +35,6 @@ _MASKS: dict[str, tuple[Any, Any]] = {
 """Per float dtype: the unsigned type of its width and its exponent mask."""
 
 
-COMPILED_FROM = 1 << 16
-"""Values of fewer elements are counted by numpy unless ``kernels`` names an implementation:
-it takes microseconds there, and a process whose values are all small never starts numba (a
-few hundred ms of CPU) for this check."""
-
-
 def count_reference(bits: np.ndarray, mask: Any) -> int:
     """Elements of ``bits`` (a float array viewed as unsigned ints) with all exponent bits set."""
     return int(np.count_nonzero((bits & mask) == mask))
@@ -52,7 +46,7 @@ def count_nonfinite(values: Any, *, kernels: str | None = None) -> int:
     Args:
         values: a flat, contiguous numpy or CuPy array (in native byte order).
         kernels: CPU implementation, ``"numba"`` or ``"numpy"``; None reads
-            ``KVSTORE_CPU_KERNELS`` (numpy below :data:`COMPILED_FROM` elements).
+            ``KVSTORE_CPU_KERNELS``.
     """
     found = _MASKS.get(values.dtype.name)
     if found is None or values.size == 0:
@@ -63,8 +57,6 @@ def count_nonfinite(values: Any, *, kernels: str | None = None) -> int:
 
         return _finite_cuda.count_nonfinite(values.view(unsigned), mask)
     bits = values.view(unsigned)
-    if kernels is None and values.size < COMPILED_FROM:
-        return count_reference(bits, mask)
     if (cpu_kernels_from_env() if kernels is None else kernels) == "numba":
         from kvstore.codecs import _finite_numba  # noqa: PLC0415  (compiles on first use)
 

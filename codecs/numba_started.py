@@ -10,10 +10,6 @@ lock makes any other thread that imports it wait until that is done, and after i
 are only ever held briefly. So every module that defines numba functions imports this one
 (``tests/unit/test_numba_started.py`` checks), and code that compiles one elsewhere imports it
 first.
-
-Nothing imports numba before it is needed: a process that never runs a compiled kernel (a job
-of small dense keys, a server without an optimizer) skips numba's start-up, a few hundred
-milliseconds of CPU.
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ when a send finishes.
 The sender calls libzmq through ``ctypes`` (``zmq_msg_init_data`` and ``zmq_msg_send``) on the
 socket's own handle, in the same library pyzmq loaded. Where that library or numba is not
 available, the sender falls back to pyzmq's own zero-copy sends (same results, more CPU). The
-free function is loaded when a sender first meets a large buffer, on the thread that sends it
-(after numba's one start-up, :mod:`kvstore.codecs.numba_started`): a process that never sends
-one does not start numba for it.
+free function is compiled after numba's one start-up (:mod:`kvstore.codecs.numba_started`), when
+the sender is made.
 
 Frames below :data:`COPY_THRESHOLD` bytes, ``bytes`` headers for example, are copied by pyzmq as
 usual (copying them costs less than tracking them), and ``zmq.Frame`` objects (received
@@ -238,10 +237,11 @@ class ZeroCopySender:
     """
 
     def __init__(self, native: bool | None = None) -> None:
-        # By default the free function is loaded (numba: a few hundred ms of CPU) at the first
-        # large buffer, not here: a process that only sends small frames never pays for it.
-        self._native_pending = native is None
-        self._native = _get_native() if native else None
+        # Loaded here, before the thread that sends exists, not at the first large buffer:
+        # loading it starts numba (a few hundred ms of CPU, seconds on a loaded machine), and
+        # a server's event loop or a worker's I/O thread that stalled that long at its first
+        # large send missed heartbeats (a 1.5 s heartbeat timeout tripped under load).
+        self._native = _get_native() if native is not False else None
         if native and self._native is None:
             raise RuntimeError("native zero-copy sends are not available on this system")
         self._slabs: list[_Slab] = []
@@ -253,11 +253,7 @@ class ZeroCopySender:
 
     @property
     def native(self) -> bool:
-        """Whether large buffers are sent with the compiled free function (else pyzmq's
-        collector); loads it if no send has yet."""
-        if self._native_pending:
-            self._native_pending = False
-            self._native = _get_native()
+        """Whether sends use the compiled free function (else pyzmq's collector)."""
         return self._native is not None
 
     @property
@@ -273,7 +269,8 @@ class ZeroCopySender:
         Raises ``zmq.ZMQError`` like ``sock.send_multipart`` (a frame that could not be sent is
         released at once).
         """
-        if self._native is None and not self._goes_native(frames):
+        native = self._native
+        if native is None:
             return _send_with_pyzmq(sock, frames, flags, track)
         if self._in_flight >= REAP_AFTER:
             self.reap()
@@ -290,16 +287,6 @@ class ZeroCopySender:
         if not track:
             return None
         return SendTicket(parts) if parts else _DONE
-
-    def _goes_native(self, frames: Sequence[Any]) -> bool:
-        """Whether a sender whose free function is not loaded sends ``frames`` on the native
-        path: yes while every frame is small (they are copied, no free function runs), and at
-        the first large one if the free function then loads."""
-        if not self._native_pending:
-            return False
-        if all(_large_array(frame) is None for frame in frames):
-            return True
-        return self.native
 
     def _send_array(
         self, sock: zmq.Socket, array: np.ndarray, owner: Any, flags: int

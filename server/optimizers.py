@@ -1,8 +1,7 @@
 """Server-side optimizers: fused, compiled update kernels with their state kept on the server.
 
-Each update is one pass over the chunk (numba, GIL released; the kernels are in
-``_optimizer_kernels``), in the weights' dtype (float32 for float32/float16 keys, float64 for
-float64 keys), with MXNet's formulas. ``g`` below is the round's
+Each update is one pass over the chunk (numba, GIL released), in the weights' dtype (float32 for
+float32/float16 keys, float64 for float64 keys), with MXNet's formulas. ``g`` below is the round's
 aggregate (the sum of all workers' decoded pushes); ``clip(x)`` clips to
 ``[-clip_gradient, clip_gradient]`` and is the identity when ``clip_gradient`` is None.
 
@@ -37,9 +36,75 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
+from numba import njit
 
+import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
 from kvstore.errors import OptimizerError
 from kvstore.optimizer_spec import OptimizerSpec
+
+# kernels ---------------------------------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _clip(x, bound, use_clip):
+    if use_clip:
+        if x > bound:
+            return bound
+        if x < -bound:
+            return -bound
+    return x
+
+
+@njit(nogil=True, cache=True)
+def _sgd(w, out, g, decay, lr, rescale, clip, use_clip):
+    for i in range(w.shape[0]):
+        out[i] = decay * w[i] - lr * _clip(rescale * g[i], clip, use_clip)
+
+
+@njit(nogil=True, cache=True)
+def _sgd_momentum(w, out, g, mom, lr, momentum, wd, rescale, clip, use_clip):
+    lr_wd = lr * wd
+    for i in range(w.shape[0]):
+        m = momentum * mom[i] - lr_wd * w[i] - lr * _clip(rescale * g[i], clip, use_clip)
+        mom[i] = m
+        out[i] = w[i] + m
+
+
+@njit(nogil=True, cache=True)
+def _nag(w, out, g, mom, lr, momentum, wd, rescale, clip, use_clip):
+    for i in range(w.shape[0]):
+        gi = _clip(rescale * g[i], clip, use_clip) + wd * w[i]
+        m = momentum * mom[i] + gi
+        mom[i] = m
+        out[i] = w[i] - lr * (gi + momentum * m)
+
+
+@njit(nogil=True, cache=True)
+def _adam(
+    w,
+    out,
+    g,
+    mean,
+    var,
+    lr_t,
+    beta1,
+    beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    eps,
+    wd,
+    rescale,
+    clip,
+    use_clip,
+):
+    for i in range(w.shape[0]):
+        gi = _clip(rescale * g[i] + wd * w[i], clip, use_clip)
+        m = beta1 * mean[i] + one_minus_beta1 * gi
+        v = beta2 * var[i] + one_minus_beta2 * gi * gi
+        mean[i] = m
+        var[i] = v
+        out[i] = w[i] - lr_t * m / (np.sqrt(v) + eps)
+
 
 # optimizer objects -------------------------------------------------------------------------------
 
@@ -53,10 +118,7 @@ class Optimizer(ABC):
     name: str
 
     def __init__(self, spec: OptimizerSpec) -> None:
-        from kvstore.server import _optimizer_kernels  # noqa: PLC0415  (starts numba)
-
         self.spec = spec
-        self._kernels = _optimizer_kernels
 
     @abstractmethod
     def new_state(self, numel: int, dtype: np.dtype) -> dict[str, Any]:
@@ -140,12 +202,11 @@ class SGD(Optimizer):
         clip, use_clip = self._clip_args(dtype)
         if self.spec["momentum"] == 0.0 and not self.spec["nesterov"]:
             decay = dtype.type(1) - lr * wd
-            self._kernels.sgd(weight, out, grad, decay, lr, rescale, clip, use_clip)
+            _sgd(weight, out, grad, decay, lr, rescale, clip, use_clip)
             return
         if state.get("mom") is None:
             state["mom"] = np.zeros_like(weight)
-        kernels = self._kernels
-        kernel = kernels.nag if self.spec["nesterov"] else kernels.sgd_momentum
+        kernel = _nag if self.spec["nesterov"] else _sgd_momentum
         kernel(weight, out, grad, state["mom"], lr, momentum, wd, rescale, clip, use_clip)
 
 
@@ -172,7 +233,7 @@ class Adam(Optimizer):
         )
         clip, use_clip = self._clip_args(dtype)
         one = dtype.type(1)
-        self._kernels.adam(
+        _adam(
             weight,
             out,
             grad,
