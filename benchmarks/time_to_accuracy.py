@@ -204,18 +204,18 @@ def summaries(by_run: dict[str, list[dict[str, Any]]], target: float) -> list[di
 
 def write_table(path: Path, summary: list[dict[str, Any]], target: float) -> None:
     times = {s["run"]: s["seconds_to_target"] for s in summary}
+
+    def ratio(base: str, t: float | None) -> str:
+        b = times.get(base)
+        return f"{b / t:.2f}x" if b and t else "-"
+
     header = f"| run | seconds to {target:.0%} | final accuracy | dense PS / run | DDP fp32 / run |"
     lines = [header, "|---|---|---|---|---|"]
     for s in summary:
         t = s["seconds_to_target"]
-
-        def ratio(base: str, t: float | None = t) -> str:
-            b = times.get(base)
-            return f"{b / t:.2f}x" if b and t else "-"
-
         shown = f"{t:.1f}" if t is not None else "not reached"
-        lines.append(f"| {s['run']} | {shown} | {s['final_accuracy']:.2%} | {ratio('ps-dense')} | "
-                     f"{ratio('ddp-fp32')} |")  # fmt: skip
+        lines.append(f"| {s['run']} | {shown} | {s['final_accuracy']:.2%} | "
+                     f"{ratio('ps-dense', t)} | {ratio('ddp-fp32', t)} |")  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
 
 
