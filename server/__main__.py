@@ -134,10 +134,10 @@ async def serve(config: ServerConfig, *, stop_on_stdin_eof: bool = False) -> int
         print(f"kvstore-server: {exc}", file=sys.stderr)
         return 1
     # Everything allocated so far (modules, numba, numpy, the server's state) lives as long as
-    # the process. Frozen, those ~57k objects are no longer re-scanned by every full collection
-    # (13-25 ms each, on the event loop; in an 8-worker cluster run collections took 29% of a
-    # server loop's CPU samples before, 1% after). Reference counting still frees frozen objects;
-    # only the cyclic collector skips them.
+    # the process. Frozen, those tens of thousands of objects are no longer re-scanned by every
+    # full collection, each of which would otherwise stall the event loop for milliseconds while
+    # it serves. Reference counting still frees frozen objects; only the cyclic collector skips
+    # them.
     gc.freeze()
     print(f"{READY_PREFIX} {address}", flush=True)
     try:

@@ -108,10 +108,9 @@ on the loop thread; longer ones go to the thread pool.
 A hand-off to the pool wakes a pool thread and then the loop again; on a host whose cores are
 busy that costs more CPU than summing a chunk of this size (about 0.4 ms: ``a += b`` over 2^20
 fp32, from ``benchmarks/bench_codecs.py``), and the loop thread would only wait for the result.
-Measured on 2 cores, 1 Gbit/s links, 2 runs each, x floor: key10m 4 workers x 4 servers dense
-1.60/1.54 -> 1.43/1.38 with chunks up to this size inline instead of up to 65,536 elements; 8x4
-2-bit 1.22/1.19 -> 1.14/1.15; ResNet-50 8x4 dense 1.42/1.39 -> 1.34/1.31; cells with idle CPU
-unchanged. Longer chunks (a larger ``KVSTORE_PARTITION_BYTES``, for fast links) still run on
+So the threshold is one default partition: with it, the loaded cluster benchmarks
+(``benchmarks/bench_cluster.py``) run faster than with a lower one, and cells with idle CPU do
+not change. Longer chunks (a larger ``KVSTORE_PARTITION_BYTES``, for fast links) still run on
 several threads at once."""
 
 DRAIN_BATCH = 256
@@ -125,7 +124,7 @@ connection until the server has taken some of its messages, and TCP then holds t
 So what ZeroMQ buffers for one connection is at most this many messages of at most
 ``max_message_bytes`` per frame (a legitimate message has one header and at most one payload
 frame: about 65 MiB with the default limit), instead of everything a peer cares to send
-(the limit 0 used to mean "unbounded": 1.09 GiB from 5 strangers took a server to 1.42 GB).
+(with no limit, a few strangers sending large frames could make a server hold gigabytes).
 The server drains its socket whenever it is readable, so a legitimate worker's pushes wait here
 only while the server is busy, and 16 chunks are more work than one drain does."""
 
