@@ -16,12 +16,12 @@ The cost model, stated (the constants are flags):
   ``--ratio``) of keys of a few sizes: the key encoder's ``begin`` and the chunk's payload.
 * **Communication**: ``t_c = alpha + beta * bytes`` per key, one key at a time, on the worker's
   link at 1 Gbit/s and 10 Gbit/s (``beta = 8 / rate``). ``alpha`` is the CPU a chunk's
-  push-and-pull costs on loopback (0.25 ms on the worker plus 0.17 ms on the server, from
-  ``bench_chunk_cost.py``, as ``kvstore/topology.py`` records) plus a round trip of 0.1 ms
-  (1 Gbit/s) or 0.05 ms (10 Gbit/s). Bytes per element: a sparse pull of the union of the
-  ``--workers`` workers' pairs (``8 * ratio * workers``, the paper's all-gather model; the
-  compressed return path is planned) or the dense float32 pull of today (4); the push
-  (``8 * ratio``) travels the other direction, concurrently.
+  push-and-pull costs on loopback (0.25 ms on the worker plus 0.17 ms on the server, as
+  ``docs/performance.md``, cost of a chunk, and ``kvstore/topology.py`` record) plus a round
+  trip of 0.1 ms (1 Gbit/s) or 0.05 ms (10 Gbit/s). Bytes per element: a sparse pull of the
+  union of the ``--workers`` workers' pairs (``8 * ratio * workers``, the paper's all-gather
+  model; the compressed return path is planned) or the dense float32 pull of today (4); the
+  push (``8 * ratio``) travels the other direction, concurrently.
 
     python benchmarks/mgs_plan.py --preset smoke
     python benchmarks/mgs_plan.py --preset full
@@ -65,7 +65,8 @@ PRESETS = {
 }  # fmt: skip
 
 CHUNK_CPU_SECONDS = 0.25e-3 + 0.17e-3
-"""CPU per chunk of a push and pull, worker plus server, on loopback (bench_chunk_cost.py)."""
+"""CPU per chunk of a push and pull, worker plus server, on loopback (``docs/performance.md``,
+cost of a chunk)."""
 
 LINKS = {"1 Gbit/s": (1e9, 0.1e-3), "10 Gbit/s": (1e10, 0.05e-3)}
 """Link name -> (bits per second, round-trip seconds)."""

@@ -57,16 +57,6 @@ def test_pushpull_benchmark_smoke():
     assert summary["curve_over_plain_dense"] > 0 and summary["curve_over_plain_2bit"] > 0
 
 
-def test_chunk_cost_benchmark_smoke():
-    records = run("bench_chunk_cost.py")
-    configs = {r.get("config"): r for r in records if "config" in r}
-    assert set(configs) == {"default partition", "small partition"}
-    assert configs["small partition"]["chunks"] > configs["default partition"]["chunks"]
-    summary = records[-1]
-    assert summary["extra_chunks"] > 0
-    assert "worker_cpu_ms_per_chunk" in summary and "server_cpu_ms_per_chunk" in summary
-
-
 def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
     out = tmp_path / "cluster.jsonl"
     records = run(
