@@ -58,9 +58,8 @@ the default (``off``) runs without keys, like every result before it.
 
 With ``--link-trace`` a record also says how busy each role's links were during the timed
 steps, and how long they stood idle at a step's start and end (:mod:`link_trace`). With
-``--round-trace`` a kvstore record says when the servers' rounds completed and how soon they
-were answered (:mod:`round_trace`). With ``--pin-hosts on`` each host's processes run on its
-own share of this machine's cores (:func:`netns.host_cpus`); records say ``pinned``.
+``--pin-hosts on`` each host's processes run on its own share of this machine's cores
+(:func:`netns.host_cpus`); records say ``pinned``.
 
     python benchmarks/bench_cluster.py --preset smoke
     python benchmarks/bench_cluster.py --preset full --out results/cluster.jsonl
@@ -76,12 +75,10 @@ import itertools
 import json
 import math
 import os
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -91,7 +88,6 @@ from typing import Any
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-import round_trace  # noqa: E402
 from common import append_jsonl, emit, machine, server_addresses  # noqa: E402
 from link_trace import LinkTrace, by_role, summarize  # noqa: E402
 from netns import DEFAULT_GSO_MAX_BYTES, check_gso_max_bytes  # noqa: E402
@@ -469,7 +465,6 @@ def _measure(
     floor: float,
     warmup: int,
     link_roles: Sequence[str] | None = None,
-    after_stop: Callable[[list[tuple[float, float]]], dict] | None = None,
     **extra: Any,
 ) -> dict:
     """Collect the ``timed`` processes' step times while watching the CPU (the ``job``'s
@@ -479,8 +474,7 @@ def _measure(
     ``warmup_step_seconds`` for the untimed ones), so a cell whose steps had not settled
     shows it. With ``link_roles`` (each host's role) the links' byte counters are sampled
     too, and ``links`` says how busy they were during the timed steps, the barriers between
-    them left out (:func:`link_trace.by_role`). ``after_stop(spans)``, given each timed step's
-    wall-clock span once the processes stopped, returns more fields for the record.
+    them left out (:func:`link_trace.by_role`).
     """
     trace = (
         LinkTrace([cluster.bridge_port(host) for host in range(len(link_roles))])
@@ -499,8 +493,6 @@ def _measure(
     if link_roles:
         summaries = summarize(trace.times, trace.counters, cluster.rate_bytes_per_s, spans)
         record["links"] = by_role(summaries, link_roles) if summaries else None
-    if after_stop is not None:
-        record.update(after_stop(spans))
     return record
 
 
@@ -532,36 +524,19 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement, auth=False
     # (every credential variable set or blanked: none is inherited from this shell)
     env = {**os.environ, "KVSTORE_LOG_LEVEL": "WARNING", **role_env("server", keys)}
     worker_env = {**os.environ, **role_env("worker", keys)}
-    trace_dir = Path(tempfile.mkdtemp(prefix="kv-rounds-")) if args.round_trace else None
 
     def server(host: int, rank: int) -> list[str]:
-        # With --round-trace each server runs under round_trace.py, which records its rounds.
-        launch = (
-            [str(HERE.parent / "round_trace.py"), str(trace_dir / f"{rank}.json"), "--"]
-            if trace_dir is not None
-            else ["-m", "kvstore.server"]
-        )
-        return [py, *launch, "--host", cluster.hosts[host].address, "--port", "0",
+        return [py, "-m", "kvstore.server", "--host", cluster.hosts[host].address, "--port", "0",
                 "--server-rank", str(rank), "--num-servers", str(s), "--num-workers", str(n),
                 "--threads", "2"]  # fmt: skip
-
-    def rounds(spans: list[tuple[float, float]]) -> dict:
-        assert trace_dir is not None
-        events = round_trace.load([trace_dir / f"{rank}.json" for rank in range(s)])
-        return {"rounds": round_trace.summarize(events, spans, n)}
 
     def worker(rank: int) -> list[str]:
         borrow = ["--push-borrow"] if args.push_borrow else []
         return ["--role", "worker", "--rank", str(rank), "--num-workers", str(n),
                 "--codec", codec, *borrow]  # fmt: skip
 
-    try:
-        return _run_cell(cluster, args, workload_name, codec, n, s, placement, server, worker,
-                         f"{codec} worker", server_env=env, worker_env=worker_env,
-                         after_stop=rounds if trace_dir is not None else None)  # fmt: skip
-    finally:
-        if trace_dir is not None:
-            shutil.rmtree(trace_dir, ignore_errors=True)
+    return _run_cell(cluster, args, workload_name, codec, n, s, placement, server, worker,
+                     f"{codec} worker", server_env=env, worker_env=worker_env)  # fmt: skip
 
 
 def run_bare(cluster, args, workload_name, n, s, placement) -> dict:
@@ -590,7 +565,6 @@ def _run_cell(
     worker_role: Callable[[int], list[str]],
     what: str,
     server_env: dict[str, str] | None = None,
-    after_stop: Callable[[list[tuple[float, float]]], dict] | None = None,
     worker_env: dict[str, str] | None = None,
 ) -> dict:
     """Start the servers (``server_argv(host, rank)``), then the workers (this script with
@@ -617,7 +591,7 @@ def _run_cell(
                                      text=True, env=worker_env))  # fmt: skip
     roles = _host_roles(server_hosts, worker_hosts) if args.link_trace else None
     return _measure(cluster, workers, servers + workers, what, args.timeout,
-                    floor, warmup, roles, after_stop, busiest_link_bytes=int(busiest))  # fmt: skip
+                    floor, warmup, roles, busiest_link_bytes=int(busiest))  # fmt: skip
 
 
 def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
@@ -780,13 +754,6 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="sample every link's byte counters (about every ms, real-time priority) and "
         "report how busy each role's links were over the timed steps (link_trace.py)",
-    )
-    parser.add_argument(
-        "--round-trace",
-        action="store_true",
-        help="record when each kvstore server took up every push and sent every value reply, "
-        "and report how far apart a round's pushes arrived and how soon it was answered "
-        "(round_trace.py)",
     )
     parser.add_argument(
         "--push-borrow",

@@ -59,9 +59,7 @@ def test_pushpull_benchmark_smoke():
 
 def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
     out = tmp_path / "cluster.jsonl"
-    records = run(
-        "bench_cluster.py", "--out", str(out), "--baselines", "zmq", "--link-trace", "--round-trace"
-    )
+    records = run("bench_cluster.py", "--out", str(out), "--baselines", "zmq", "--link-trace")
     if "skipped" in records[0]:  # no root or no iproute2 here: the harness says why
         assert records[0]["skipped"]
         return
@@ -87,14 +85,6 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
             shares = links[name]
             assert 0 < shares["utilization"] <= 1.05, links  # the pushes crossed these links
             assert abs(shares["full"] + shares["partial"] + shares["idle"] - 1) < 0.01
-    for r in kv:
-        # --round-trace: when the servers' rounds completed and how soon they were answered
-        rounds = r["rounds"]
-        assert rounds["rounds"] >= 2, rounds  # every timed step had complete rounds
-        assert 0 <= rounds["first_push_ms"] <= rounds["first_round_ms"] <= rounds["last_push_ms"]
-        assert rounds["last_push_ms"] <= rounds["step_ms"] and rounds["spread_ms"] >= 0
-        assert 0 <= rounds["reply_lag_ms"] <= rounds["step_ms"], rounds
-    assert "rounds" not in bare[0]  # bare pyzmq's servers are not kvstore's
     report = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "report.py"), str(out)],
         capture_output=True,
