@@ -146,7 +146,7 @@ class Supervisor:
         """
         if not logger.isEnabledFor(level):
             return
-        record = logger.makeRecord(logger.name, level, __file__, 0, message, None, None)
+        record = logger.makeRecord(logger.name, level, __file__, 0, message, (), None)
         self._emit(self._err, b"", _FORMATTER.format(record).encode())
 
     def _pump(self, child: Child, source: IO[bytes], sink: IO[bytes], watch_ready: bool) -> None:

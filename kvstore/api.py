@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore import _logging
 from kvstore.config import ClusterConfig, WorkerOptions
@@ -121,7 +121,7 @@ def _create_local(options: WorkerOptions) -> KVStore:
     from kvstore.local import LocalServerThread  # noqa: PLC0415
     from kvstore.worker.client import KVStore  # noqa: PLC0415
 
-    context = zmq.Context()
+    context: zmq.Context[Any] = zmq.Context()
     server = LocalServerThread(context)
 
     def stop() -> None:

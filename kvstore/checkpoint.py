@@ -206,7 +206,8 @@ def write_part(
         if key == META or not isinstance(array, np.ndarray) or array.dtype.hasobject:
             raise CheckpointError(f"{name}: {key!r} is not a plain numeric array")
     text = json.dumps({**meta, "version": FORMAT_VERSION}, sort_keys=True)
-    payload = {**arrays, META: np.frombuffer(text.encode(), np.uint8)}
+    # (typed loosely: numpy's stub reads any keyword of savez as its allow_pickle flag)
+    payload: dict[str, Any] = {**arrays, META: np.frombuffer(text.encode(), np.uint8)}
     sha, size = _write_atomic(folder, name, lambda f: np.savez(f, **payload))
     _write_text_atomic(folder, name + ".sha256", f"{sha} {size}\n")
     _fsync_dir(folder)

@@ -58,7 +58,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 import zmq
@@ -368,7 +368,7 @@ def _header_bytes(frame: Any) -> bytes:
     return bytes(memoryview(frame))
 
 
-def _is_uint(value: Any) -> bool:
+def _is_uint(value: Any) -> TypeGuard[int]:
     """The common case of :func:`_check_uint`: a plain int in ``[0, 2**63)`` (:func:`_copy_fields`
     tests it inline, to save a call per field)."""
     return type(value) is int and 0 <= value <= _INT64_MAX
@@ -503,7 +503,7 @@ def _decode_header(header: dict[Any, Any], frames: Sequence[Any]) -> Message:
         raise ProtocolError(f"unknown op {_show(raw_op)}")
     rid = header.get("id")
     if not _is_uint(rid):
-        _check_uint("id", rid)
+        raise ProtocolError(f"field 'id' must be a non-negative int, got {_show(rid)}")
     nbytes = header.get("nb")
     if not isinstance(nbytes, list):
         raise ProtocolError("field 'nb' (payload lengths) is missing or not a list")

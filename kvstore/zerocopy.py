@@ -124,7 +124,7 @@ def _load_native() -> _Native | None:
 
         import kvstore.codecs.numba_started  # noqa: F401, PLC0415  (before any compile)
 
-        @numba.cfunc("void(voidptr, voidptr)", nopython=True, cache=True)
+        @numba.cfunc("void(voidptr, voidptr)", cache=True)  # a cfunc is always nopython
         def release(data, hint):  # pragma: no cover  (runs on a libzmq I/O thread)
             slot = numba.carray(hint, 1, numba.int64)
             slot[0] = _RELEASED
@@ -132,6 +132,8 @@ def _load_native() -> _Native | None:
         address = release.address
     except Exception as exc:  # numba missing or unable to compile: pyzmq's path still works
         logger.debug("zero-copy free function unavailable: %r", exc)
+        return None
+    if address is None:  # (numba gives no address only for a cfunc it failed to compile)
         return None
     return _Native(lib, address)
 

@@ -87,7 +87,8 @@ class DDPHookState:
             self.kv.pull([key for key, _, _ in pending], out=[buffer for _, buffer, _ in pending])
         except BaseException as exc:
             for _, _, future in pending:
-                future.set_exception(exc)
+                # torch's stub types the argument as the future's result type
+                future.set_exception(exc)  # type: ignore[arg-type]
             raise
         workers = self.kv.num_workers
         for _, buffer, future in pending:

@@ -394,7 +394,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     weights = bucket.flat[slot.offset : slot.offset + param.numel()]
                     param.copy_(weights.view(param.shape))
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronize (unless :meth:`synchronize` already did) and run the wrapped
         optimizer's step (not with a server optimizer, whose servers already updated the
         weights).
