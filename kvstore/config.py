@@ -299,12 +299,10 @@ TORCHRUN_FALLBACKS: dict[str, str] = {"KVSTORE_RANK": "RANK", "KVSTORE_NUM_WORKE
 
 DEFAULT_BIGARRAY_BOUND = 1_000_000
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
-"""Default ``KVSTORE_PARTITION_BYTES``. Each chunk costs CPU on the worker and the server
-(``benchmarks/bench_chunk_cost.py``), and a step trails its transfer by about one chunk's round,
-so the best size is where the two balance. Measured at commit ``c061cb3``, key10m dense,
-4 workers x 4 separate servers (``bench_cluster.py --preset full --mtu 9000 --steps 10``, runs
-alternating, x the floor; the CPU-busiest cell of the cluster grid): 2 MiB 1.386, 1.294; 3 MiB
-1.303, 1.331; 4 MiB 1.195, 1.217, 1.232, 1.249; 8 MiB 1.276, 1.277; 16 MiB 1.657, 1.689."""
+"""Default ``KVSTORE_PARTITION_BYTES``. Each chunk costs CPU on the worker and the server, and
+a step trails its transfer by about one chunk's round, so the best size is where the two
+balance; on a grid of 4 workers and 4 servers over 1 Gbit/s links that was 4 MiB, with 2 MiB
+and 8 MiB a few percent slower and 16 MiB far slower."""
 DEFAULT_CONNECT_TIMEOUT = 60.0
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0
 MIN_HEARTBEAT_TIMEOUT = 0.1
@@ -750,21 +748,8 @@ def default_push_lead(num_workers: int) -> int:
     """Unanswered pushes per server connection a worker allows by default (0: no limit).
 
     The limit keeps the workers of a synchronous round in step when many of them share one
-    server's link (TCP shares it unevenly and a round waits for the slowest): measured with a
-    10M-element key over 1 Gbit/s links, dense steps went from 1.61-1.69x to 1.41-1.49x the
-    wire floor with 8 workers x 4 servers, and from 1.31-1.33x to 1.16x with 8 x 2. With two
-    workers it only adds pipeline bubbles (an earlier measurement, loopback, 2 workers x 1
-    server: 5-10% slower dense steps), so small jobs run without it.
-
-    Re-measured at commit ``c061cb3`` (``bench_cluster.py --preset full --mtu 9000 --steps
-    10``, 192 KiB TCP units, key10m, ``KVSTORE_PUSH_LEAD`` 3 against 0, runs alternating, x the
-    floor): 8 x 4 separate dense 1.159, 1.145 against 1.297, 1.363; 4 x 4 co-located dense
-    1.079, 1.068 against 1.215, 1.20; 4 x 4 separate 2-bit 1.118, 1.12 against 1.15, 1.159. One
-    cell loses a little: 4 x 4 separate dense, where each server's link carries no more than
-    each worker's, 1.241, 1.214, 1.205, 1.191, 1.195 against 1.204, 1.178, 1.17, 1.175, 1.266
-    (a lead of 4, 5 or 6 was no better there: 1.20-1.204); ResNet-50 4 x 4 separate dense is
-    even, 1.15, 1.151 against 1.146, 1.163. The limit stays on for every job of 3 or more
-    workers.
+    server's link (TCP shares it unevenly and a round waits for the slowest); with two workers
+    there is no such crowd and it only adds pipeline bubbles, so small jobs run without it.
     """
     return 3 if num_workers >= 3 else 0
 
@@ -775,10 +760,9 @@ def default_push_tos(num_workers: int) -> int:
     Where a worker shares its host with a server, its pushes leave through the uplink that
     carries that server's replies to the other N - 1 workers; TCP gives the push flow 1/N of it,
     the worker straggles and every round waits for it. Marked low-delay, the pushes pass the
-    replies in a queue that honours TOS (Linux pfifo_fast). Measured, 1 Gbit/s links, same
-    runs: 8 workers x 2 co-located servers, dense 1.44-1.47x -> 1.21-1.23x the floor. With 2
-    workers there is no such crowd, and holding replies back behind pushes only delays them
-    (ResNet-50 2 x 2 co-located, dense: 1.08x -> 1.22x), so small jobs leave packets unmarked.
+    replies in a queue that honours TOS (Linux pfifo_fast). With 2 workers there is no such
+    crowd, and holding replies back behind pushes only delays them, so small jobs leave packets
+    unmarked.
     """
     return DEFAULT_PUSH_TOS if num_workers >= 3 else 0
 
