@@ -79,7 +79,8 @@ from kvstore.topology import (
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Op, buffer_nbytes
 from kvstore.worker import checkpointing as ckpt
 from kvstore.worker import values as vals
-from kvstore.worker.transport import Deadline, Request, Transport, wait_all
+from kvstore.worker.request import Deadline, Request, wait_all
+from kvstore.worker.transport import Transport
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import pytest
 from kvtest import connect
 
 import kvstore
-from kvstore.worker.transport import EXPRESS_BYTES, Request
+from kvstore.worker.request import Request
+from kvstore.worker.transport import EXPRESS_BYTES
 
 pytestmark = pytest.mark.integration
 

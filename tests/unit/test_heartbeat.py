@@ -16,7 +16,7 @@ from kvstore.config import (
 from kvstore.errors import ConfigError, ConnectionLostError, ErrorCode, error_from_code
 from kvstore.heartbeat import Liveness
 from kvstore.wire import Op
-from kvstore.worker.transport import Deadline
+from kvstore.worker.request import Deadline
 
 
 def _checks(liveness: Liveness, start: float, end: float) -> dict[float, list]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvstore.wire import Message, Op
-from kvstore.worker.transport import Request
+from kvstore.worker.request import Request
 
 
 def _reply() -> Message:
