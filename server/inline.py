@@ -1,7 +1,7 @@
 """Run short coroutines in batches on the event loop thread, without an ``asyncio.Task`` each.
 
 The server's per-chunk work (sum a push, finish a round, answer) is a coroutine because chunks
-longer than :data:`kvstore.server.server.INLINE_ELEMS` await the thread pool. Shorter chunks,
+longer than :data:`kvstore.server.work.INLINE_ELEMS` await the thread pool. Shorter chunks,
 every fp32 chunk of the default partition size, never suspend: their work runs inline and
 their chunk's lock is never contended, since nothing that holds it waits. Wrapping each in a
 Task still cost the server a fifth of its loop thread in a loopback profile with many small

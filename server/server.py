@@ -54,8 +54,8 @@ replacement, and what waits on them fails with ``WORKER_LOST`` ("lost workers" b
 
 With ``config.metrics`` (``KVSTORE_METRICS_PORT``) the server serves Prometheus metrics
 (:mod:`kvstore.metrics`): it counts each message and reply, each error and each round's
-duration; queue depths are read from its state when scraped. Without, ``self._metrics`` is None
-and each of those places costs one comparison.
+duration; queue depths are read from its state when scraped. Without, the state's ``metrics`` is
+None and each of those places costs one comparison.
 """
 
 from __future__ import annotations
@@ -66,9 +66,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -78,7 +76,7 @@ from kvstore import auth, checkpoint, wire
 from kvstore.codecs import codec_from_spec
 from kvstore.codecs.base import frame_array, relay_fits
 from kvstore.codecs.pulled import pull_applies, pull_codec_from_spec
-from kvstore.config import ServerConfig, heartbeat_interval
+from kvstore.config import ServerConfig
 from kvstore.errors import (
     CheckpointError,
     CodecError,
@@ -87,31 +85,19 @@ from kvstore.errors import (
     OptimizerError,
     ProtocolError,
 )
-from kvstore.heartbeat import Liveness
 from kvstore.metrics import ServerMetrics, frames_nbytes
-from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
+from kvstore.optimizer_spec import make_optimizer_spec
 from kvstore.server import checkpointing
-from kvstore.server.checkpointing import StagedLoad
 from kvstore.server.chunk import ChunkSpec, ChunkState, Deferred, PendingReply, PullWaiter
-from kvstore.server.inline import InlineRunner
-from kvstore.server.optimizers import Optimizer, make_optimizer
+from kvstore.server.errors import RequestError
+from kvstore.server.job import LANES, CheckpointCall, Job, ServerState
+from kvstore.server.optimizers import make_optimizer
+from kvstore.server.replies import Replies, peer
+from kvstore.server.work import WorkRunner
 from kvstore.topology import max_payload_bytes
 from kvstore.wire import Message, Op
-from kvstore.zerocopy import ZeroCopySender
 
 logger = logging.getLogger(__name__)
-
-INLINE_ELEMS = 1 << 20
-"""Chunks up to this many elements (one default partition of fp32) are decoded, summed and updated
-on the loop thread; longer ones go to the thread pool.
-
-A hand-off to the pool wakes a pool thread and then the loop again; on a host whose cores are
-busy that costs more CPU than summing a chunk of this size (about 0.4 ms: ``a += b`` over 2^20
-fp32, from ``benchmarks/bench_codecs.py``), and the loop thread would only wait for the result.
-So the threshold is one default partition: with it, the loaded cluster benchmarks
-(``benchmarks/bench_cluster.py``) run faster than with a lower one, and cells with idle CPU do
-not change. Longer chunks (a larger ``KVSTORE_PARTITION_BYTES``, for fast links) still run on
-several threads at once."""
 
 DRAIN_BATCH = 256
 """Messages handled per wake-up before other callbacks get a turn."""
@@ -130,62 +116,6 @@ only while the server is busy, and 16 chunks are more work than one drain does."
 
 MAX_RELEASED = 1024
 """Sessions of lost workers remembered (to tell one that wakes up why it is not served)."""
-
-LANES = (wire.LANE_DATA, wire.LANE_CONTROL)
-
-
-class RequestError(Exception):
-    """A request the server refuses; becomes an ERROR reply with ``code`` (and, for
-    ``WORKER_LOST``, the lost worker's rank)."""
-
-    def __init__(self, code: ErrorCode, message: str, lost_rank: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.lost_rank = lost_rank
-
-
-@dataclass
-class _CheckpointCall:
-    """A collective SAVE or LOAD (phase) being gathered from the workers."""
-
-    op: Op
-    phase: int
-    path: str
-    replies: dict[int, PendingReply] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)  # ranks that could not do their part
-
-    def describe(self) -> str:
-        what = "save_checkpoint" if self.op is Op.SAVE else f"load_checkpoint (phase {self.phase})"
-        return f"{what} of {self.path}"
-
-
-@dataclass
-class _Job:
-    """State of the job the server currently serves (reset when all workers left)."""
-
-    mode: str | None = None
-    sessions: dict[bytes, int] = field(default_factory=dict)  # identity -> rank
-    lanes: dict[bytes, int] = field(default_factory=dict)  # identity -> lane
-    ranks: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (rank, lane) -> identity
-    chunks: dict[tuple[Any, int], ChunkState] = field(default_factory=dict)
-    optimizer: Optimizer | None = None
-    proposals: dict[int, tuple[OptimizerSpec, PendingReply]] = field(default_factory=dict)
-    barrier: dict[int, PendingReply] = field(default_factory=dict)
-    # checkpoints: the collective SAVE/LOAD being gathered, whether one is being carried out,
-    # and a load read and checked by its first phase, waiting for its commit
-    checkpoint: _CheckpointCall | None = None
-    checkpoint_busy: bool = False
-    staged_load: StagedLoad | None = None
-    # Lost workers (see "lost workers" below): rank -> why; ranks taken back by a replacement
-    # that has not called set_optimizer yet; requests already answered with WORKER_LOST whose
-    # push stays in its round, as (identity, request id).
-    lost: dict[int, str] = field(default_factory=dict)
-    rejoined: set[int] = field(default_factory=set)
-    failed: set[tuple[bytes, int]] = field(default_factory=set)
-
-
-def _peer(identity: bytes) -> str:
-    return identity.decode("ascii", "replace")
 
 
 class ShardServer:
@@ -213,32 +143,14 @@ class ShardServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
         self._drain_scheduled = False
-        self._sender = ZeroCopySender()  # used on the loop thread only
-        self._pool = ThreadPoolExecutor(
-            max_workers=config.threads, thread_name_prefix=f"kvstore-server{config.server_rank}"
-        )
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._inline = InlineRunner(self._spawn)
-        self._job = _Job()
-        self._metrics: ServerMetrics | None = None
         self.address: str | None = None
-        # The largest frame accepted (ZMQ_MAXMSGSIZE); None in-process, where no stranger
-        # can send and libzmq would not check it anyway.
-        self._max_message: int | None = None
-        if not (config.bind or "").startswith("inproc://"):
-            self._max_message = config.max_message_bytes or max(
-                wire.MAX_HEADER_BYTES, max_payload_bytes(config.partition_bytes)
-            )
-        # Heartbeats: when each rank of the job was last heard from (None: off), the time of
-        # the current drain (every message of a drain counts as heard then), the check's timer,
-        # and the sessions released because their worker was lost (identity -> rank), newest
-        # last, so that a stalled worker that wakes up is told why it is no longer served.
-        self._liveness: Liveness | None = None
-        if config.heartbeat_timeout > 0:
-            period = heartbeat_interval(config.heartbeat_timeout) / 2
-            self._liveness = Liveness(config.heartbeat_timeout, period)
-        self._heard = self._liveness.heard if self._liveness is not None else None
-        self._heard_at = 0.0
+        self._state = ServerState(config)
+        self._replies = Replies(self._state, after_send=self._schedule_drain)
+        self._work = WorkRunner(config.threads, f"kvstore-server{config.server_rank}")
+        self._heard = self._state.heard
+        # Heartbeats: the check's timer, and the sessions released because their worker was
+        # lost (identity -> rank), newest last, so that a stalled worker that wakes up is told
+        # why it is no longer served.
         self._beat_timer: asyncio.TimerHandle | None = None
         self._released: dict[bytes, int] = {}
         self._handlers: dict[Op, Callable[[bytes, int, Message], None]] = {
@@ -264,16 +176,16 @@ class ShardServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises, never vanishes
         sock.setsockopt(zmq.SNDHWM, 0)  # replies are never dropped
         sock.setsockopt(zmq.RCVHWM, RECV_QUEUE)  # backpressure per connection, see RECV_QUEUE
-        if self._max_message is not None:
+        if self._state.max_message is not None:
             # A larger frame drops its connection before libzmq allocates it. With CURVE the
             # limit applies to the encrypted frame, a fixed overhead larger.
             overhead = auth.CURVE_MESSAGE_OVERHEAD if self.config.curve is not None else 0
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message + overhead)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._state.max_message + overhead)
         sock.setsockopt(zmq.LINGER, 0)
         cfg = self.config
         if cfg.metrics is not None:  # first: a failure leaves nothing to undo
-            self._metrics = ServerMetrics(cfg.metrics, cfg.server_rank)
-            self._metrics.watch_queues(self._queue_depths)
+            self._state.metrics = ServerMetrics(cfg.metrics, cfg.server_rank)
+            self._state.metrics.watch_queues(self._queue_depths)
         try:
             if cfg.curve is not None and not (cfg.bind or "").startswith("inproc://"):
                 # Before the bind: without a ZAP handler libzmq admits any CURVE client.
@@ -301,13 +213,15 @@ class ShardServer:
             raise OSError(
                 f"server {cfg.server_rank} cannot bind {cfg.host}:{cfg.port}: {exc}"
             ) from exc
-        self._socket = sock
+        self._socket = self._replies.socket = sock
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._loop.add_reader(self._fd, self._drain)
         self._schedule_drain()  # messages may have arrived before the reader was added
-        if self._liveness is not None:
-            self._beat_timer = self._loop.call_later(self._liveness.period, self._check_workers)
+        if self._state.liveness is not None:
+            self._beat_timer = self._loop.call_later(
+                self._state.liveness.period, self._check_workers
+            )
         logger.info(
             "server %d/%d serving %d worker(s) on %s with %d thread(s)",
             cfg.server_rank,
@@ -339,19 +253,15 @@ class ShardServer:
         if self._fd is not None and self._loop is not None:
             self._loop.remove_reader(self._fd)
             self._fd = None
-        self._inline.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._work.cancel()
         if self._socket is not None:
             self._socket.close(0)
-            self._socket = None
+            self._socket = self._replies.socket = None
         self._stop_zap()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._work.shutdown()
         if self._own_context:
             self._context.term()
-        self._sender.close()
+        self._replies.close()
         self._close_metrics()
 
     def _stop_zap(self) -> None:
@@ -360,14 +270,14 @@ class ShardServer:
             self._zap = None
 
     def _close_metrics(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        if self._state.metrics is not None:
+            self._state.metrics.close()
+            self._state.metrics = None
 
     @property
     def metrics_port(self) -> int | None:
         """The port of the Prometheus endpoint while it serves (None without metrics)."""
-        return self._metrics.port if self._metrics is not None else None
+        return self._state.metrics.port if self._state.metrics is not None else None
 
     def _queue_depths(self) -> dict[str, int]:
         """Requests waiting, by :data:`kvstore.metrics.SERVER_QUEUES` name.
@@ -376,7 +286,7 @@ class ShardServer:
         only takes sizes, of a snapshot of the chunks (copied in one step, which the loop thread
         cannot interleave with).
         """
-        job = self._job
+        job = self._state.job
         chunks = list(job.chunks.values())
         return {
             "round_pushes": sum(len(c.round_replies) for c in chunks),
@@ -384,7 +294,7 @@ class ShardServer:
             "pull_waiters": sum(len(c.pull_waiters) for c in chunks),
             "init_waiters": sum(len(c.init_waiters) for c in chunks),
             "collective_waiters": len(job.barrier) + len(job.proposals),
-            "tasks": len(self._tasks),
+            "tasks": self._work.tasks,
         }
 
     async def __aenter__(self) -> ShardServer:
@@ -407,7 +317,7 @@ class ShardServer:
         sock = self._socket
         if sock is None:
             return
-        self._heard_at = time.monotonic()  # a sign of life from each sender (heartbeats)
+        self._state.heard_at = time.monotonic()  # a sign of life from each sender (heartbeats)
         for _ in range(DRAIN_BATCH):
             try:
                 frames = wire.recv_frames(sock)
@@ -421,103 +331,8 @@ class ShardServer:
             try:
                 self._handle(identity, frames[1:])
             except Exception:  # the loop must survive anything a client sends
-                logger.exception("unexpected error handling a message from %s", _peer(identity))
+                logger.exception("unexpected error handling a message from %s", peer(identity))
         self._schedule_drain()
-
-    def _send(self, identity: bytes, frames: list[Any], op: Op | None, track: bool = False) -> Any:
-        """Send a reply to a request of ``op`` (None: one that failed validation) now; returns
-        its SendTicket when ``track`` (None if not sent)."""
-        sock = self._socket
-        if sock is None:
-            return None
-        try:
-            ticket = self._sender.send_multipart(
-                sock, [identity, *frames], flags=zmq.NOBLOCK, track=track
-            )
-            if self._metrics is not None:
-                self._metrics.sent(op, frames_nbytes(frames))
-        except zmq.ZMQError as exc:  # the worker is gone (ROUTER_MANDATORY) or we are closing
-            logger.debug("reply to %s not delivered: %s", _peer(identity), exc)
-            ticket = None
-        # A send can consume the socket's edge-triggered readiness: look for input again.
-        self._schedule_drain()
-        return ticket
-
-    def _send_ack(self, reply: PendingReply, fields: dict[str, Any] | None = None) -> None:
-        self._send(reply.identity, wire.reply(reply.rid, fields), reply.op)
-
-    def _send_value(self, reply: PendingReply, chunk: ChunkState, acks: list[int] = ()) -> None:
-        assert chunk.value is not None
-        fields: dict[str, Any] = {"ak": list(acks)} if acks else {}
-        if chunk.pull_codec is not None and reply.pull_version is not None:
-            self._send_compressed(reply, chunk, fields)
-            return
-        relay = chunk.relay
-        if relay is not None and 0 < len(relay) <= reply.relay_max:
-            # The round's pushes instead of their sum; the frames are immutable ZeroMQ
-            # messages, so nothing needs tracking.
-            fields["rl"] = len(relay)
-            frames = [frame for payloads in relay for frame in payloads]
-            self._send(reply.identity, wire.reply(reply.rid, fields, frames), reply.op)
-            return
-        current = chunk.value.current
-        send = self._send(
-            reply.identity, wire.reply(reply.rid, fields, [current]), reply.op, track=True
-        )
-        if send is not None:
-            chunk.value.track(send)
-
-    def _send_compressed(
-        self, reply: PendingReply, chunk: ChunkState, fields: dict[str, Any]
-    ) -> None:
-        """Answer a compressed pull (see :mod:`kvstore.codecs.pulled`): nothing, the delta to
-        the current ``w_pub`` or ``w_pub`` whole, by the version the worker holds."""
-        assert chunk.value is not None and reply.pull_version is not None
-        weights = chunk.pulled_weights(reply.rank)
-        held = reply.pull_version
-        if self._job.mode == "dist_async" and held == weights.version:
-            weights.advance(chunk.value.current)  # this worker's own w_pub moves on now
-        kind, frames = weights.reply(held)
-        fields.update(pc=kind, pv=weights.version, pb=weights.version - 1)
-        self._send(reply.identity, wire.reply(reply.rid, fields, frames), reply.op)
-
-    def _send_error(
-        self,
-        identity: bytes,
-        rid: int,
-        op: Op | None,
-        code: ErrorCode,
-        message: str,
-        lost_rank: int | None = None,
-    ) -> None:
-        """Refuse request ``rid`` of ``op`` (None: it failed validation); ``lost_rank``: the
-        worker a ``WORKER_LOST`` error names."""
-        if self._metrics is not None:
-            self._metrics.error(code)
-        self._send(identity, wire.error(rid, code, message, lost_rank), op)
-
-    def _answer(self, reply: PendingReply, chunk: ChunkState) -> None:
-        if reply.want_value:
-            self._send_value(reply, chunk)
-        else:
-            self._send_ack(reply)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("server task failed", exc_info=task.exception())
-
-    async def _run(self, chunk: ChunkState, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run chunk work: inline for small chunks, on the thread pool for big ones."""
-        if chunk.spec.numel <= INLINE_ELEMS:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # dispatch --------------------------------------------------------------------------------
 
@@ -525,15 +340,15 @@ class ShardServer:
         try:
             msg = wire.decode(frames)
         except ProtocolError as exc:
-            if self._metrics is not None:
-                self._metrics.received(None, frames_nbytes(frames))
-            logger.warning("bad message from %s: %s", _peer(identity), exc)
-            self._send_error(
+            if self._state.metrics is not None:
+                self._state.metrics.received(None, frames_nbytes(frames))
+            logger.warning("bad message from %s: %s", peer(identity), exc)
+            self._replies.error(
                 identity, wire.peek_request_id(frames), None, ErrorCode.BAD_MESSAGE, str(exc)
             )
             return
-        if self._metrics is not None:
-            self._metrics.received(msg.op, frames_nbytes(frames))
+        if self._state.metrics is not None:
+            self._state.metrics.received(msg.op, frames_nbytes(frames))
         try:
             if msg.op is Op.HELLO:
                 self._on_hello(identity, msg)
@@ -541,32 +356,32 @@ class ShardServer:
             handler = self._handlers.get(msg.op)
             if handler is None:
                 raise RequestError(ErrorCode.BAD_MESSAGE, f"{msg.op.name} is not a request")
-            rank = self._job.sessions.get(identity)
+            rank = self._state.job.sessions.get(identity)
             if rank is None:
                 self._refuse_stranger(identity, msg)
             heard = self._heard
             if heard is not None:
-                heard[rank] = self._heard_at
+                heard[rank] = self._state.heard_at
             handler(identity, rank, msg)
         except RequestError as exc:
             logger.warning(
-                "refused %s (id %d) from %s: %s", msg.op.name, msg.rid, _peer(identity), exc
+                "refused %s (id %d) from %s: %s", msg.op.name, msg.rid, peer(identity), exc
             )
-            self._send_error(identity, msg.rid, msg.op, exc.code, str(exc), exc.lost_rank)
+            self._replies.error(identity, msg.rid, msg.op, exc.code, str(exc), exc.lost_rank)
         except (CodecError, OptimizerError) as exc:
             code = ErrorCode.CODEC if isinstance(exc, CodecError) else ErrorCode.OPTIMIZER
-            logger.warning("refused %s from %s: %s", msg.op.name, _peer(identity), exc)
-            self._send_error(identity, msg.rid, msg.op, code, str(exc))
+            logger.warning("refused %s from %s: %s", msg.op.name, peer(identity), exc)
+            self._replies.error(identity, msg.rid, msg.op, code, str(exc))
         except Exception as exc:
-            logger.exception("internal error on %s from %s", msg.op.name, _peer(identity))
-            self._send_error(
+            logger.exception("internal error on %s from %s", msg.op.name, peer(identity))
+            self._replies.error(
                 identity, msg.rid, msg.op, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
             )
 
     # sessions ---------------------------------------------------------------------------------
 
     def _on_hello(self, identity: bytes, msg: Message) -> None:
-        cfg, job = self.config, self._job
+        cfg, job = self.config, self._state.job
         rank, mode = msg["r"], msg["m"]
         if msg["nw"] != cfg.num_workers:
             raise RequestError(
@@ -609,12 +424,12 @@ class ShardServer:
             released = (
                 f"; if that worker died, its rank is released after "
                 f"{cfg.heartbeat_timeout:g} s without a message from it (KVSTORE_HEARTBEAT_TIMEOUT)"
-                if self._liveness is not None
+                if self._state.liveness is not None
                 else ""
             )
             raise RequestError(
                 ErrorCode.DUPLICATE_RANK,
-                f"rank {rank} is already connected from another worker ({_peer(holder)}); "
+                f"rank {rank} is already connected from another worker ({peer(holder)}); "
                 f"every worker needs its own KVSTORE_RANK{released}",
             )
         job.mode = mode
@@ -622,20 +437,20 @@ class ShardServer:
         job.lanes[identity] = lane
         job.ranks[(rank, lane)] = identity
         if self._heard is not None:
-            self._heard[rank] = self._heard_at
+            self._heard[rank] = self._state.heard_at
         if job.lost.pop(rank, None) is not None:
             job.rejoined.add(rank)
-            logger.warning("worker rank %d rejoined the job (%s)", rank, _peer(identity))
-        logger.debug("worker rank %d connected (%s, %s)", rank, _peer(identity), mode)
+            logger.warning("worker rank %d rejoined the job (%s)", rank, peer(identity))
+        logger.debug("worker rank %d connected (%s, %s)", rank, peer(identity), mode)
         fields = {"sr": cfg.server_rank}
-        if self._liveness is not None:  # (the worker pings often enough for it)
+        if self._state.liveness is not None:  # (the worker pings often enough for it)
             fields["hb"] = round(cfg.heartbeat_timeout * 1000)
-        self._send(identity, wire.reply(msg.rid, fields), Op.HELLO)
+        self._replies.send(identity, wire.reply(msg.rid, fields), Op.HELLO)
 
     def _check_partition(self, partition_bytes: int | None) -> None:
         """Refuse a worker whose largest message could exceed this server's limit (ZeroMQ
         would drop its connection mid-job, before the server could say why)."""
-        limit = self._max_message
+        limit = self._state.max_message
         if limit is None or partition_bytes is None:
             return
         largest = max_payload_bytes(partition_bytes)
@@ -650,27 +465,21 @@ class ShardServer:
             )
 
     def _on_bye(self, identity: bytes, rank: int, msg: Message) -> None:
-        job = self._job
+        job = self._state.job
         job.sessions.pop(identity, None)
         job.ranks.pop((rank, job.lanes.pop(identity, 0)), None)
         if self._heard is not None and not any((rank, ln) in job.ranks for ln in LANES):
             self._heard.pop(rank, None)  # it left: nothing to watch
-        self._send(identity, wire.reply(msg.rid), Op.BYE)
+        self._replies.send(identity, wire.reply(msg.rid), Op.BYE)
         logger.debug("worker rank %d left", rank)
         if not job.sessions:
             logger.debug("all workers left; the server is ready for a new job")
-            self._reset_job()
-
-    def _reset_job(self) -> None:
-        """Forget the job: its keys, optimizer, mode and ranks; serve the next one."""
-        self._job = _Job()
-        if self._heard is not None:
-            self._heard.clear()
+            self._state.reset_job()
 
     def _on_ping(self, identity: bytes, rank: int, msg: Message) -> None:
         # Being handled was the point (the rank's last-heard time is now); the reply tells the
         # worker that this server lives.
-        self._send(identity, wire.reply(msg.rid), Op.PING)
+        self._replies.send(identity, wire.reply(msg.rid), Op.PING)
 
     # lost workers ------------------------------------------------------------------------------
     #
@@ -686,7 +495,7 @@ class ShardServer:
 
     def _check_workers(self) -> None:
         """Declare lost the ranks that have been silent for too long (a timer callback)."""
-        liveness = self._liveness
+        liveness = self._state.liveness
         assert liveness is not None and self._loop is not None
         self._beat_timer = self._loop.call_later(liveness.period, self._check_workers)
         now = time.monotonic()
@@ -717,32 +526,8 @@ class ShardServer:
             f"{msg.op.name} from a worker that has not said HELLO to this server",
         )
 
-    def _lost_message(self, rank: int, what: str) -> str:
-        return (
-            f"{what} needs worker rank {rank}, which was lost ({self._job.lost[rank]}); a "
-            f"replacement started with KVSTORE_RANK={rank} can rejoin the job"
-        )
-
-    def _fail_lost(self, reply: PendingReply, rank: int, what: str) -> None:
-        """Answer a pending request with WORKER_LOST naming ``rank``."""
-        self._send_error(
-            reply.identity,
-            reply.rid,
-            reply.op,
-            ErrorCode.WORKER_LOST,
-            self._lost_message(rank, what),
-            rank,
-        )
-
-    def _require_all_ranks(self, what: str) -> None:
-        """Raise WORKER_LOST if a rank is lost (for a request that needs every worker)."""
-        lost = self._job.lost
-        if lost:
-            rank = min(lost)
-            raise RequestError(ErrorCode.WORKER_LOST, self._lost_message(rank, what), rank)
-
     def _declare_lost(self, rank: int, reason: str) -> None:
-        job = self._job
+        job = self._state.job
         identities = [identity for identity, r in job.sessions.items() if r == rank]
         for identity in identities:
             del job.sessions[identity]
@@ -762,20 +547,20 @@ class ShardServer:
                 "no worker of the job is left; the server forgets the job and is ready for a "
                 "new one"
             )
-            self._reset_job()
+            self._state.reset_job()
             return
         # The collectives wait for every rank (the lost one's own entry is told too: a
         # stalled worker reads it when it wakes up).
         barrier, job.barrier = job.barrier, {}
         for reply in barrier.values():
-            self._fail_lost(reply, rank, "the barrier")
+            self._replies.worker_lost(reply, rank, "the barrier")
         proposals, job.proposals = job.proposals, {}
         for _, reply in proposals.values():
-            self._fail_lost(reply, rank, "set_optimizer")
+            self._replies.worker_lost(reply, rank, "set_optimizer")
         call, job.checkpoint = job.checkpoint, None
         if call is not None:
             for reply in call.replies.values():
-                self._fail_lost(reply, rank, call.describe())
+                self._replies.worker_lost(reply, rank, call.describe())
         for chunk in job.chunks.values():
             chunk.declared.pop(rank, None)  # the replacement declares it again
             chunk.applied.pop(rank, None)  # and counts its pushes from 0
@@ -784,30 +569,30 @@ class ShardServer:
                 chunk.init_waiters = []
                 for reply in waiters:
                     chunk.declared.pop(reply.rank, None)  # (so that it can try again)
-                    self._fail_lost(reply, rank, f"init of {chunk.spec.name}")
+                    self._replies.worker_lost(reply, rank, f"init of {chunk.spec.name}")
             elif any(reply.rank == rank for reply in waiters):
                 chunk.init_waiters = [reply for reply in waiters if reply.rank != rank]
                 for reply in waiters:
                     if reply.rank == rank:
-                        self._fail_lost(reply, rank, f"init of {chunk.spec.name}")
+                        self._replies.worker_lost(reply, rank, f"init of {chunk.spec.name}")
             dropped = [push for push in chunk.deferred if push.reply.rank == rank]
             if dropped:  # not in a round yet: dropped (the lost rank's own round push stays)
                 chunk.deferred = type(chunk.deferred)(
                     push for push in chunk.deferred if push.reply.rank != rank
                 )
                 for push in dropped:
-                    self._fail_lost(push.reply, rank, f"push of {chunk.spec.name}")
+                    self._replies.worker_lost(push.reply, rank, f"push of {chunk.spec.name}")
             own = [w for w in chunk.pull_waiters if w.reply.rank == rank]
             if own:
                 chunk.pull_waiters = [w for w in chunk.pull_waiters if w.reply.rank != rank]
                 for waiter in own:
-                    self._fail_lost(waiter.reply, rank, f"pull of {chunk.spec.name}")
+                    self._replies.worker_lost(waiter.reply, rank, f"pull of {chunk.spec.name}")
             self._fail_blocked(chunk)
 
     def _fail_blocked(self, chunk: ChunkState) -> None:
         """In dist_sync, while a rank is lost: fail the requests that wait on ``chunk``'s
         round if it lacks a lost rank's push (a later round lacks it in any case)."""
-        job = self._job
+        job = self._state.job
         if not job.lost or job.mode == "dist_async":
             return
         missing = next((r for r in sorted(job.lost) if r not in chunk.round_ranks), None)
@@ -819,12 +604,12 @@ class ShardServer:
         for reply in pushes:
             if (reply.identity, reply.rid) not in failed:
                 failed.add((reply.identity, reply.rid))
-                self._fail_lost(reply, missing, what)
+                self._replies.worker_lost(reply, missing, what)
         waiters, chunk.pull_waiters = chunk.pull_waiters, []
         for waiter in waiters:
             for rid in waiter.acks:  # (pushes answered by this pull's reply: done)
-                self._send(waiter.reply.identity, wire.reply(rid), Op.PUSH)
-            self._fail_lost(waiter.reply, missing, what)
+                self._replies.send(waiter.reply.identity, wire.reply(rid), Op.PUSH)
+            self._replies.worker_lost(waiter.reply, missing, what)
 
     # init --------------------------------------------------------------------------------------
 
@@ -840,16 +625,16 @@ class ShardServer:
             )
         codec = codec_from_spec({"type": msg["cd"], **msg["cp"]})
         codec.check_dtype(msg["dt"], f"key {msg['k']!r}")
-        optimizer = self._job.optimizer
+        optimizer = self._state.job.optimizer
         if optimizer is not None:  # e.g. DGC under an optimizer with momentum
             codec.check_optimizer(optimizer.spec.name, optimizer.spec.params)
         nbytes = count * np.dtype(msg["dt"]).itemsize
-        if self._max_message is not None and nbytes > self._max_message:
+        if self._state.max_message is not None and nbytes > self._state.max_message:
             # Its value could never arrive: refused before any state is allocated for it.
             raise RequestError(
                 ErrorCode.MESSAGE_LIMIT,
                 f"key {msg['k']!r} chunk {msg['c']} holds {nbytes} bytes, more than the "
-                f"{self._max_message} bytes server {self.config.server_rank} accepts in a "
+                f"{self._state.max_message} bytes server {self.config.server_rank} accepts in a "
                 f"message (KVSTORE_MAX_MESSAGE_BYTES)",
             )
         pull_codec = None
@@ -874,7 +659,7 @@ class ShardServer:
 
     def _on_init(self, identity: bytes, rank: int, msg: Message) -> None:
         spec, codec = self._chunk_spec(msg)
-        chunks = self._job.chunks
+        chunks = self._state.job.chunks
         chunk = chunks.get((spec.key, spec.index))
         if chunk is None:
             chunk = ChunkState(spec=spec, codec=codec)
@@ -903,25 +688,25 @@ class ShardServer:
                         ErrorCode.SPEC_MISMATCH, self._rejoin_mismatch(spec, chunk.spec)
                     )
                 chunk.declared[0] = spec
-                self._send_ack(reply)
+                self._replies.ack(reply)
                 return
             # Rank 0's declaration is the reference; earlier different ones are refused now.
             chunk.spec, chunk.codec = spec, codec
             chunk.pull_codec = pull_codec_from_spec(dict(spec.pull)) if spec.pull else None
-            chunk.set_initial_value(values, self._job.mode)
+            chunk.set_initial_value(values, self._state.job.mode)
             chunk.declared[0] = spec
-            self._send_ack(reply)
+            self._replies.ack(reply)
             waiting, chunk.init_waiters = chunk.init_waiters, []
             for other in waiting:
                 other_spec = chunk.declared[other.rank]
                 if other_spec != spec:
                     del chunk.declared[other.rank]
-                    self._send_error(
+                    self._replies.error(
                         other.identity, other.rid, Op.INIT, ErrorCode.SPEC_MISMATCH,
                         self._mismatch(other.rank, other_spec, spec),
                     )  # fmt: skip
                 else:
-                    self._send_ack(other)
+                    self._replies.ack(other)
             return
         if msg.payloads:
             raise RequestError(ErrorCode.BAD_VALUE, "only rank 0's INIT carries a value")
@@ -929,10 +714,10 @@ class ShardServer:
             if spec != chunk.spec:
                 raise RequestError(ErrorCode.SPEC_MISMATCH, self._mismatch(rank, spec, chunk.spec))
             chunk.declared[rank] = spec
-            self._send_ack(reply)
+            self._replies.ack(reply)
         else:
-            if 0 in self._job.lost:  # rank 0's value would never come
-                self._require_all_ranks(f"init of {spec.name}")
+            if 0 in self._state.job.lost:  # rank 0's value would never come
+                self._state.job.require_all_ranks(f"init of {spec.name}")
             chunk.declared[rank] = spec
             chunk.init_waiters.append(reply)
 
@@ -953,7 +738,7 @@ class ShardServer:
 
     def _ready_chunk(self, rank: int, msg: Message) -> ChunkState:
         key, index = msg["k"], msg["c"]
-        chunk = self._job.chunks.get((key, index))
+        chunk = self._state.job.chunks.get((key, index))
         if chunk is None or not chunk.initialized:
             raise RequestError(
                 ErrorCode.NOT_INITIALIZED,
@@ -978,7 +763,7 @@ class ShardServer:
                 f"{spec.name}: push of {msg['n']} elements, the chunk has {spec.numel}",
             )
         chunk.codec.validate_payloads(msg.payloads, spec.numel, spec.dtype)
-        job = self._job
+        job = self._state.job
         if job.mode == "dist_async" and job.optimizer is None:
             raise RequestError(
                 ErrorCode.NO_OPTIMIZER,
@@ -990,7 +775,7 @@ class ShardServer:
             identity, msg.rid, rank, want_value, msg.op, msg.get("rx", 0), msg.get("pv")
         )
         if job.mode == "dist_async":
-            self._inline.submit(self._push_async(chunk, reply, msg.payloads))
+            self._work.submit(self._push_async(chunk, reply, msg.payloads))
         else:
             self._admit(chunk, Deferred(reply, msg.payloads))
 
@@ -999,23 +784,23 @@ class ShardServer:
         rank = push.reply.rank
         if rank in chunk.round_ranks or any(d.reply.rank == rank for d in chunk.deferred):
             chunk.deferred.append(push)
-            if self._job.lost:
+            if self._state.job.lost:
                 self._fail_blocked(chunk)
             return
-        if self._metrics is not None and not chunk.round_ranks:
+        if self._state.metrics is not None and not chunk.round_ranks:
             chunk.round_started = time.perf_counter()  # the round's first push
         chunk.round_ranks.add(rank)
         chunk.round_replies.append(push.reply)
-        self._inline.submit(self._accumulate(chunk, push.payloads))
-        if self._job.lost:
+        self._work.submit(self._accumulate(chunk, push.payloads))
+        if self._state.job.lost:
             self._fail_blocked(chunk)
 
     async def _accumulate(self, chunk: ChunkState, payloads: list[Any]) -> None:
         async with chunk.lock:  # turns are granted in arrival order
             first = chunk.accumulated == 0
             try:
-                await self._run(chunk, chunk.aggregator.add, payloads, first)
-                if chunk.codec.relayable and self._job.optimizer is None:
+                await self._work.run(chunk, chunk.aggregator.add, payloads, first)
+                if chunk.codec.relayable and self._state.job.optimizer is None:
                     chunk.round_payloads.append(payloads)  # for relayed pulls of the sum
             except Exception as exc:
                 logger.exception("decoding a push of %s failed", chunk.spec.name)
@@ -1032,7 +817,7 @@ class ShardServer:
         intermediate = acknowledgement = None
         if error is None:
             try:
-                intermediate = await self._run(chunk, chunk.aggregator.finish)
+                intermediate = await self._work.run(chunk, chunk.aggregator.finish)
                 if intermediate is None:
                     acknowledgement = _copied(chunk.aggregator.reply_frames())
                     await self._apply(chunk, chunk.aggregator.result)
@@ -1040,7 +825,7 @@ class ShardServer:
                     # (summed stays empty for codecs that cannot relay).
                     relayable = (
                         bool(summed)
-                        and self._job.optimizer is None
+                        and self._state.job.optimizer is None
                         and chunk.master is None
                         # (sparse pushes vary in size: relay only while it saves bytes)
                         and relay_fits(summed, chunk.spec.numel, chunk.spec.dtype)
@@ -1053,26 +838,28 @@ class ShardServer:
         if error is None and intermediate is not None:
             for reply in replies:
                 if self._push_applied(chunk, reply):
-                    self._send(reply.identity, wire.reply(reply.rid, None, intermediate), reply.op)
+                    self._replies.send(
+                        reply.identity, wire.reply(reply.rid, None, intermediate), reply.op
+                    )
             self._release_pulls(chunk)
         else:
             self._pushes_done(chunk, replies, error, acknowledgement)
-        if self._metrics is not None:
+        if self._state.metrics is not None:
             # (``started`` was read above: a push admitted while this awaited the pool began
             # the next round and its clock.)
-            self._metrics.round_done(time.perf_counter() - started)
+            self._state.metrics.round_done(time.perf_counter() - started)
         deferred, chunk.deferred = chunk.deferred, type(chunk.deferred)()
         for push in deferred:
             self._admit(chunk, push)
-        if self._job.lost:  # the next round lacks a lost rank: its pull waiters fail
+        if self._state.job.lost:  # the next round lacks a lost rank: its pull waiters fail
             self._fail_blocked(chunk)
 
     async def _push_async(self, chunk: ChunkState, reply: PendingReply, payloads: list) -> None:
         error: BaseException | None = None
         async with chunk.lock:
             try:
-                await self._run(chunk, chunk.aggregator.add, payloads, True)
-                if await self._run(chunk, chunk.aggregator.finish) is not None:
+                await self._work.run(chunk, chunk.aggregator.add, payloads, True)
+                if await self._work.run(chunk, chunk.aggregator.finish) is not None:
                     raise RequestError(
                         ErrorCode.CODEC,
                         f"codec {chunk.codec.name!r} needs several round trips per step, "
@@ -1086,7 +873,7 @@ class ShardServer:
 
     async def _apply(self, chunk: ChunkState, grad: Any) -> None:
         assert chunk.value is not None
-        optimizer = self._job.optimizer
+        optimizer = self._state.job.optimizer
         if optimizer is not None and not chunk.spec.dtype.startswith("float"):
             raise RequestError(
                 ErrorCode.BAD_VALUE,
@@ -1103,7 +890,7 @@ class ShardServer:
             await self._advance_pulled(chunk)
             return
         try:
-            await self._run(chunk, chunk.apply_update, grad, optimizer, out)
+            await self._work.run(chunk, chunk.apply_update, grad, optimizer, out)
         except BaseException:
             chunk.value.give_back(out)
             raise
@@ -1115,7 +902,7 @@ class ShardServer:
         worker's pull (dist_async encodes per worker, at its pull)."""
         if chunk.pull is not None:  # (dist_sync only)
             assert chunk.value is not None
-            await self._run(chunk, chunk.pull.advance, chunk.value.current)
+            await self._work.run(chunk, chunk.pull.advance, chunk.value.current)
 
     def _finish_push(
         self,
@@ -1125,10 +912,12 @@ class ShardServer:
         acknowledgement: list[bytes] | None = None,
     ) -> None:
         if error is None and acknowledgement is not None and not reply.want_value:
-            self._send(reply.identity, wire.reply(reply.rid, None, acknowledgement), reply.op)
+            self._replies.send(
+                reply.identity, wire.reply(reply.rid, None, acknowledgement), reply.op
+            )
             return
         if error is None:
-            self._answer(reply, chunk)
+            self._replies.answer(reply, chunk)
             return
         if isinstance(error, RequestError):
             code = error.code
@@ -1138,7 +927,9 @@ class ShardServer:
         else:
             code = ErrorCode.INTERNAL
             logger.error("update of %s failed: %r", chunk.spec.name, error)
-        self._send_error(reply.identity, reply.rid, reply.op, code, f"{chunk.spec.name}: {error}")
+        self._replies.error(
+            reply.identity, reply.rid, reply.op, code, f"{chunk.spec.name}: {error}"
+        )
 
     # pull --------------------------------------------------------------------------------------
 
@@ -1148,10 +939,10 @@ class ShardServer:
             identity, msg.rid, rank, True, Op.PULL, msg.get("rx", 0), msg.get("pv")
         )
         if chunk.applied[rank] >= msg["af"]:
-            self._send_value(reply, chunk)
+            self._replies.value(reply, chunk)
         else:
             chunk.pull_waiters.append(PullWaiter(reply, msg["af"]))
-            if self._job.lost:
+            if self._state.job.lost:
                 self._fail_blocked(chunk)
 
     def _push_applied(self, chunk: ChunkState, reply: PendingReply) -> bool:
@@ -1160,7 +951,7 @@ class ShardServer:
         A lost worker's pushes count for nobody (its replacement counts its own from 0), and a
         push answered with WORKER_LOST while it waited in its round needs no other answer.
         """
-        job = self._job
+        job = self._state.job
         if reply.identity in job.sessions:
             chunk.applied[reply.rank] += 1
         failed = job.failed
@@ -1185,7 +976,7 @@ class ShardServer:
         :meth:`~kvstore.codecs.base.Aggregator.reply_frames`, which a pushpull's value
         reply does not carry).
         """
-        sessions = self._job.sessions
+        sessions = self._state.job.sessions
         for reply in [reply for reply in replies if self._push_applied(chunk, reply)]:
             if (
                 error is None
@@ -1213,7 +1004,7 @@ class ShardServer:
         still_waiting = []
         for waiter in chunk.pull_waiters:
             if chunk.applied[waiter.reply.rank] >= waiter.after:
-                self._send_value(waiter.reply, chunk, waiter.acks)
+                self._replies.value(waiter.reply, chunk, waiter.acks)
             else:
                 still_waiting.append(waiter)
         chunk.pull_waiters = still_waiting
@@ -1223,19 +1014,19 @@ class ShardServer:
     def _on_barrier(self, identity: bytes, rank: int, msg: Message) -> None:
         if self.config.server_rank != 0:
             raise RequestError(ErrorCode.WRONG_SERVER, "barriers are kept by server 0")
-        job = self._job
-        self._require_all_ranks("the barrier")
+        job = self._state.job
+        self._state.job.require_all_ranks("the barrier")
         if rank in job.barrier:
             raise RequestError(ErrorCode.BAD_VALUE, f"rank {rank} is already in the barrier")
         job.barrier[rank] = PendingReply(identity, msg.rid, rank, False, Op.BARRIER)
         if len(job.barrier) == self.config.num_workers:
             arrived, job.barrier = job.barrier, {}
             for reply in arrived.values():
-                self._send_ack(reply)
+                self._replies.ack(reply)
 
     def _on_set_optimizer(self, identity: bytes, rank: int, msg: Message) -> None:
         spec = make_optimizer_spec(msg["opt"], msg["hp"])
-        job = self._job
+        job = self._state.job
         for codec in {chunk.codec for chunk in job.chunks.values()}:
             try:  # e.g. momentum on the servers for DGC, which applies it on the workers
                 codec.check_optimizer(spec.name, spec.params)
@@ -1246,9 +1037,9 @@ class ShardServer:
             # the job's optimizer, is a no-op that waits for nobody (the others made it long ago).
             job.rejoined.discard(rank)
             if job.optimizer is not None and job.optimizer.spec == spec and not job.proposals:
-                self._send_ack(PendingReply(identity, msg.rid, rank, False, Op.SET_OPTIMIZER))
+                self._replies.ack(PendingReply(identity, msg.rid, rank, False, Op.SET_OPTIMIZER))
                 return
-        self._require_all_ranks("set_optimizer")
+        self._state.job.require_all_ranks("set_optimizer")
         if rank in job.proposals:
             raise RequestError(
                 ErrorCode.OPTIMIZER, f"rank {rank} already called set_optimizer and is waiting"
@@ -1268,7 +1059,7 @@ class ShardServer:
         job.optimizer = make_optimizer(spec)
         logger.info("optimizer set: %r", spec)
         for _, reply in proposals.values():
-            self._send_ack(reply)
+            self._replies.ack(reply)
 
     # checkpoints -------------------------------------------------------------------------------
 
@@ -1282,19 +1073,19 @@ class ShardServer:
         everywhere or nowhere. Each is carried out only while no round is in flight (between
         steps), else every worker gets a ``checkpoint`` error saying what was in flight.
         """
-        job = self._job
+        job = self._state.job
         phase = msg["ph"] if msg.op is Op.LOAD else 0
         if phase > 2:
             raise RequestError(ErrorCode.BAD_MESSAGE, f"LOAD phase {phase} is not 0, 1 or 2")
-        self._require_all_ranks("a checkpoint")  # (a collective: it would wait for them)
+        self._state.job.require_all_ranks("a checkpoint")  # (a collective: it would wait for them)
         if job.checkpoint_busy:
             raise RequestError(
                 ErrorCode.CHECKPOINT, f"rank {rank}: a checkpoint is being written or read"
             )
-        call = job.checkpoint or _CheckpointCall(msg.op, phase, msg["p"])
-        self._require_all_ranks(call.describe())
+        call = job.checkpoint or CheckpointCall(msg.op, phase, msg["p"])
+        self._state.job.require_all_ranks(call.describe())
         if (call.op, call.phase, call.path) != (msg.op, phase, msg["p"]):
-            other = _CheckpointCall(msg.op, phase, msg["p"])
+            other = CheckpointCall(msg.op, phase, msg["p"])
             raise RequestError(
                 ErrorCode.CHECKPOINT,
                 f"rank {rank} called {other.describe()} but rank(s) {sorted(call.replies)} "
@@ -1309,9 +1100,9 @@ class ShardServer:
         if len(call.replies) == self.config.num_workers:
             job.checkpoint = None
             job.checkpoint_busy = True
-            self._spawn(self._carry_out_checkpoint(job, call))
+            self._work.spawn(self._carry_out_checkpoint(job, call))
 
-    async def _carry_out_checkpoint(self, job: _Job, call: _CheckpointCall) -> None:
+    async def _carry_out_checkpoint(self, job: Job, call: CheckpointCall) -> None:
         error: BaseException | None = None
         try:
             if call.errors:
@@ -1341,11 +1132,11 @@ class ShardServer:
             logger.info("%s done", call.describe())
         for reply in call.replies.values():
             if error is None:
-                self._send_ack(reply)
+                self._replies.ack(reply)
             else:
-                self._send_error(reply.identity, reply.rid, reply.op, code, str(error))
+                self._replies.error(reply.identity, reply.rid, reply.op, code, str(error))
 
-    def _check_quiescent(self, job: _Job, what: str) -> list[ChunkState]:
+    def _check_quiescent(self, job: Job, what: str) -> list[ChunkState]:
         """The job's chunks, after checking that nothing is in flight on any of them."""
         chunks = list(job.chunks.values())
         problem = checkpointing.busy_reason(chunks)
@@ -1358,7 +1149,7 @@ class ShardServer:
             )
         return chunks
 
-    async def _save_shard(self, job: _Job, path: str) -> None:
+    async def _save_shard(self, job: Job, path: str) -> None:
         cfg = self.config
         chunks = self._check_quiescent(job, "save a checkpoint")
         info = {
@@ -1370,8 +1161,7 @@ class ShardServer:
         }
         async with _all_locked(chunks):  # (free: quiescent) pushes that sneak in wait
             arrays, meta = checkpointing.snapshot(chunks, info)
-            await asyncio.get_running_loop().run_in_executor(
-                self._pool,
+            await self._work.in_pool(
                 checkpoint.write_part,
                 path,
                 checkpoint.server_file(cfg.server_rank),
@@ -1379,11 +1169,10 @@ class ShardServer:
                 meta,
             )
 
-    async def _prepare_load(self, job: _Job, path: str) -> None:
+    async def _prepare_load(self, job: Job, path: str) -> None:
         cfg = self.config
         chunks = self._check_quiescent(job, "load a checkpoint")
-        job.staged_load = await asyncio.get_running_loop().run_in_executor(
-            self._pool,
+        job.staged_load = await self._work.in_pool(
             lambda: checkpointing.prepare_load(
                 path,
                 chunks,
@@ -1395,7 +1184,7 @@ class ShardServer:
             ),
         )
 
-    async def _commit_load(self, job: _Job) -> None:
+    async def _commit_load(self, job: Job) -> None:
         staged, job.staged_load = job.staged_load, None
         if staged is None:
             raise CheckpointError("no load was prepared (phase 0 failed or was not called)")
@@ -1403,7 +1192,7 @@ class ShardServer:
         chunks = [restore[0] for restore in staged.restores]
         async with _all_locked(chunks):
             spares = [chunk.value.spare() for chunk in chunks]  # type: ignore[union-attr]
-            await asyncio.get_running_loop().run_in_executor(self._pool, staged.apply, spares)
+            await self._work.in_pool(staged.apply, spares)
             for chunk, spare in zip(chunks, spares, strict=True):
                 chunk.value.publish(spare)  # type: ignore[union-attr]
         if staged.optimizer is not None:
@@ -1433,4 +1222,4 @@ async def _all_locked(chunks: list[ChunkState]) -> Any:
             chunk.lock.release()
 
 
-__all__ = ["RequestError", "ShardServer"]
+__all__ = ["ShardServer"]

@@ -13,7 +13,7 @@ from kvtest import connect, run_ranks
 
 import kvstore
 from kvstore.config import DEFAULT_BIGARRAY_BOUND
-from kvstore.server.server import INLINE_ELEMS
+from kvstore.server.work import INLINE_ELEMS
 from kvstore.topology import partition_elems_for, plan_chunks
 from kvstore.wire import Op
 from kvstore.worker.client import servers_on_this_host

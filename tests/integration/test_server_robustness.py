@@ -9,7 +9,7 @@ from kvtest import RawClient
 
 import kvstore
 from kvstore import wire
-from kvstore.server.server import INLINE_ELEMS
+from kvstore.server.work import INLINE_ELEMS
 from kvstore.wire import Op
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,172 @@
+"""The one reply sender of a shard server: acks, errors and value replies, on the ROUTER socket.
+
+Replies are sent directly from the loop thread, without per-message futures, and never block
+(``NOBLOCK``; the socket's send queue is unbounded). A reply to a worker that is gone is dropped
+(``ROUTER_MANDATORY`` makes it raise instead of vanish) and logged at debug level.
+
+A value reply (a pull's, a pushpull's) carries the chunk's published value, and takes one of
+three forms:
+
+* dense (the main path): the published array itself, sent without a copy and tracked until
+  ZeroMQ no longer reads it (:mod:`kvstore.server.published`,
+  :class:`~kvstore.zerocopy.ZeroCopySender`);
+* relayed (:meth:`Replies._send_relayed`): when the value is a round's sum without an
+  optimizer and the worker offered to sum it itself, that round's pushes instead (fewer bytes
+  for compressed pushes; see :mod:`kvstore.codecs.base`);
+* compressed (:meth:`Replies._send_compressed`): for keys initialised with pull compression,
+  nothing, the delta to the value the worker holds, or that value whole
+  (:mod:`kvstore.codecs.pulled`).
+
+A value reply may also acknowledge pushes of the same worker (``ak``), which then get no reply
+of their own: see :mod:`kvstore.server.rounds`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from kvstore import wire
+from kvstore.errors import ErrorCode
+from kvstore.metrics import frames_nbytes
+from kvstore.server.chunk import ChunkState, PendingReply
+from kvstore.server.job import ServerState
+from kvstore.wire import Op
+from kvstore.zerocopy import ZeroCopySender
+
+logger = logging.getLogger(__name__)
+
+
+def peer(identity: bytes) -> str:
+    """A worker connection's routing id, as logs show it."""
+    return identity.decode("ascii", "replace")
+
+
+class Replies:
+    """Sends the server's replies.
+
+    Args:
+        state: the server's shared state (its metrics count every reply; its job's mode and
+            lost workers shape some replies).
+        after_send: called after every send: a send can consume the socket's edge-triggered
+            readiness, so the server must look for input again.
+
+    Attributes:
+        socket: the ROUTER socket while the server serves; None before and after (nothing is
+            sent then).
+    """
+
+    def __init__(self, state: ServerState, after_send: Callable[[], None]) -> None:
+        self._state = state
+        self._after_send = after_send
+        self._sender = ZeroCopySender()  # used on the loop thread only
+        self.socket: zmq.Socket | None = None
+
+    def close(self) -> None:
+        """Release the zero-copy sender (the server stopped)."""
+        self._sender.close()
+
+    def send(self, identity: bytes, frames: list[Any], op: Op | None, track: bool = False) -> Any:
+        """Send a reply to a request of ``op`` (None: one that failed validation) now; returns
+        its ticket (:class:`~kvstore.zerocopy.SendTicket` or alike, with ``done``) when ``track``
+        (None if not sent)."""
+        sock = self.socket
+        if sock is None:
+            return None
+        try:
+            ticket = self._sender.send_multipart(
+                sock, [identity, *frames], flags=zmq.NOBLOCK, track=track
+            )
+            metrics = self._state.metrics
+            if metrics is not None:
+                metrics.sent(op, frames_nbytes(frames))
+        except zmq.ZMQError as exc:  # the worker is gone (ROUTER_MANDATORY) or we are closing
+            logger.debug("reply to %s not delivered: %s", peer(identity), exc)
+            ticket = None
+        self._after_send()
+        return ticket
+
+    def ack(self, reply: PendingReply, fields: dict[str, Any] | None = None) -> None:
+        """Answer ``reply`` with an empty reply (plus ``fields``)."""
+        self.send(reply.identity, wire.reply(reply.rid, fields), reply.op)
+
+    def answer(self, reply: PendingReply, chunk: ChunkState) -> None:
+        """Answer a finished request on ``chunk``: with its value if it asked for it, else an
+        ack."""
+        if reply.want_value:
+            self.value(reply, chunk)
+        else:
+            self.ack(reply)
+
+    def error(
+        self,
+        identity: bytes,
+        rid: int,
+        op: Op | None,
+        code: ErrorCode,
+        message: str,
+        lost_rank: int | None = None,
+    ) -> None:
+        """Refuse request ``rid`` of ``op`` (None: it failed validation); ``lost_rank``: the
+        worker a ``WORKER_LOST`` error names."""
+        metrics = self._state.metrics
+        if metrics is not None:
+            metrics.error(code)
+        self.send(identity, wire.error(rid, code, message, lost_rank), op)
+
+    def worker_lost(self, reply: PendingReply, rank: int, what: str) -> None:
+        """Answer a pending request with WORKER_LOST naming ``rank``."""
+        self.error(
+            reply.identity,
+            reply.rid,
+            reply.op,
+            ErrorCode.WORKER_LOST,
+            self._state.job.lost_message(rank, what),
+            rank,
+        )
+
+    def value(self, reply: PendingReply, chunk: ChunkState, acks: Sequence[int] = ()) -> None:
+        """Answer ``reply`` with ``chunk``'s published value, acknowledging the pushes
+        ``acks`` of the same worker."""
+        assert chunk.value is not None
+        fields: dict[str, Any] = {"ak": list(acks)} if acks else {}
+        if chunk.pull_codec is not None and reply.pull_version is not None:
+            self._send_compressed(reply, chunk, fields)
+            return
+        relay = chunk.relay
+        if relay is not None and 0 < len(relay) <= reply.relay_max:
+            self._send_relayed(reply, relay, fields)
+            return
+        current = chunk.value.current
+        send = self.send(
+            reply.identity, wire.reply(reply.rid, fields, [current]), reply.op, track=True
+        )
+        if send is not None:
+            chunk.value.track(send)
+
+    def _send_relayed(self, reply: PendingReply, relay: list[Any], fields: dict[str, Any]) -> None:
+        """Answer a relayed pull: the round's pushes instead of their sum. The frames are
+        immutable ZeroMQ messages, so nothing needs tracking."""
+        fields["rl"] = len(relay)
+        frames = [frame for payloads in relay for frame in payloads]
+        self.send(reply.identity, wire.reply(reply.rid, fields, frames), reply.op)
+
+    def _send_compressed(
+        self, reply: PendingReply, chunk: ChunkState, fields: dict[str, Any]
+    ) -> None:
+        """Answer a compressed pull (see :mod:`kvstore.codecs.pulled`): nothing, the delta to
+        the current ``w_pub`` or ``w_pub`` whole, by the version the worker holds."""
+        assert chunk.value is not None and reply.pull_version is not None
+        weights = chunk.pulled_weights(reply.rank)
+        held = reply.pull_version
+        if self._state.job.mode == "dist_async" and held == weights.version:
+            weights.advance(chunk.value.current)  # this worker's own w_pub moves on now
+        kind, frames = weights.reply(held)
+        fields.update(pc=kind, pv=weights.version, pb=weights.version - 1)
+        self.send(reply.identity, wire.reply(reply.rid, fields, frames), reply.op)
+
+
+__all__ = ["Replies", "peer"]
