@@ -147,28 +147,16 @@ LONG_MIN_CHUNK_FRACTION``.
 
 A round of a chunk completes only when every worker's push of it arrived, so a step costs
 about one round more than the slice's transfer: 1/16 of it with 16 chunks. For a long slice
-that round is long in time too (key10m on 2 servers: 8 workers x 1.25 MB, 80 ms at 1 Gbit/s),
-and its chunks are large, so twice as many still cost little CPU next to their wire time.
-Measured on 1 Gbit/s links (``bench_cluster.py --mtu 9000 --steps 8``, one run each against
-16 chunks of at least a quarter partition, alternating), key10m dense, x the floor: all 14
-cells with 1 or 2 servers gained, e.g. 8 workers x 2 servers separate 1.17 -> 1.09,
-co-located 1.27 -> 1.14, 4 x 2 separate 1.16 -> 1.09, 8 x 1 separate 1.15 -> 1.09. Slices are
-long by the bytes their pushes carry: 2-bit pushes of the same cells were slower cut finer
-(4 x 2 separate 1.05 -> 1.09, `2-bit agg` 2 x 2 separate 1.53 -> 1.85), their rounds being
-short on the wire already. Slices of shorter keys (ResNet-50's tensors) keep 16 chunks of at
-least a quarter partition: more and shorter chunks cost more CPU there than they
-gained (ResNet-50 8 x 4 dense 1.22 -> 1.26, 2-bit with server SGD 2 x 2 co-located 1.15 -> 1.26,
-with 32 chunks per slice and an eighth partition for every slice)."""
+that round is long in time too, and its chunks are large, so twice as many still cost little
+CPU next to their wire time. Slices of compressed pushes, whose rounds are already short on
+the wire, and of shorter keys (ResNet-50's tensors), where more and shorter chunks cost more
+CPU than they gain, keep 16 chunks (measurements: ``docs/internals.md``, "Chunking")."""
 
 LONG_MIN_CHUNK_FRACTION = 8
 """No chunk of a long slice is shorter than ``partition_elems / LONG_MIN_CHUNK_FRACTION``.
 
-So a long slice's chunks are all about that long, without :func:`chunk_sizes`' ramps. Ramps
-there were slower, measured at commit ``c061cb3`` (key10m dense, 4 workers x 4 separate
-servers, 10 MB slices, ``bench_cluster.py --preset full --mtu 9000 --steps 10``, runs
-alternating, x the floor): 19 chunks of 512 KiB (this rule) 1.192, 1.192; 24 chunks, 492 KiB
-ones between ramps of 64, 128 and 256 KiB, 1.256, 1.237; 14 chunks, 1 MiB ones between ramps
-of 128, 256 and 512 KiB, 1.292, 1.275."""
+So a long slice's chunks are all about that long, without :func:`chunk_sizes`' ramps, which
+were slower there (``docs/internals.md``, "Chunking")."""
 
 
 def min_chunk_elems(partition_elems: int, fraction: int = MIN_CHUNK_FRACTION) -> int:
@@ -248,17 +236,9 @@ def slice_chunking(
     key's transfer by about one round of every slice at once (the first rounds complete, and
     replies start, only after a chunk of every slice arrived; the last ones leave after the last
     pushes). A key's transfer is as long as its bytes, however many servers share it, and so is
-    the time over which finer chunks spread their CPU cost. Measured, key10m dense on 4 servers
-    (10 MB slices; 19 chunks of about 512 KiB per slice against 9 of 1 MiB, ``bench_cluster.py
-    --mtu 9000``, commit ``15f9756`` against a build of it that made these slices long, runs
-    alternating, x the floor): 4 workers separate 1.25, 1.244, 1.233, 1.223,
-    1.245 -> 1.187, 1.236, 1.21, 1.206, 1.168; 8 workers separate 1.259, 1.254, 1.252, 1.263,
-    1.253 -> 1.20, 1.322, 1.167, 1.219, 1.179; 8 co-located 1.133, 1.138 -> 1.073, 1.072;
-    4 co-located 1.055, 1.063 -> 1.053, 1.064. With 1 or 2 workers these slices were long by
-    an earlier rule and gained as much (docs/performance.md). Counting the slice alone
-    would have made them long only for their size: a ResNet-50 tensor of 2.36M elements whole
-    on one server, cut finer by such a rule (long from 2 partitions), lost 1.036-1.042x ->
-    1.054-1.069x with 4 workers co-located with the server.
+    the time over which finer chunks spread their CPU cost. Counting the slice alone would make
+    slices long only for their size, which cut a whole-key ResNet-50 tensor finer than pays
+    (``docs/internals.md``, "Chunking").
     """
     whole = length if key_elems is None else max(length, key_elems)
     if whole * wire_fraction >= LONG_SLICE_PARTITIONS * partition_elems:

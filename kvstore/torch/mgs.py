@@ -436,10 +436,10 @@ class ParameterCosts:
 
     The defaults are stated constants, not measurements of the running job, so that every rank
     plans the same buckets (the keys must agree across workers): a 1 Gbit/s link with 0.52 ms
-    per message (0.42 ms of per-chunk CPU on worker and server, measured with
-    ``benchmarks/bench_chunk_cost.py``, plus a 0.1 ms round trip) carrying dense float32 pulls;
-    the numba ``topk`` encode fitted on the 2-core development machine (13.5 us + 0.45 ns per
-    element, ``benchmarks/mgs_plan.py``); and back-propagation at 2.35 ns per element (ResNet-50's
+    per message (0.42 ms of per-chunk CPU on worker and server, the cost of a chunk in
+    ``docs/performance.md``, plus a 0.1 ms round trip) carrying dense float32 pulls; the numba
+    ``topk`` encode fitted on the 2-core development machine (13.5 us + 0.45 ns per element,
+    ``python -m benchmarks.mgs_plan``); and back-propagation at 2.35 ns per element (ResNet-50's
     60 ms over its 25.6M parameters). Give measured ones with :func:`planner`.
 
     Attributes:
