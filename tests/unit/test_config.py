@@ -9,7 +9,6 @@ import pytest
 
 from kvstore.config import (
     DEFAULT_PUSH_TOS,
-    ENV_VARS,
     ClusterConfig,
     MetricsConfig,
     ServerConfig,
@@ -20,6 +19,7 @@ from kvstore.config import (
     metrics_config_from_env,
     server_threads_from_env,
 )
+from kvstore.envvars import ENV_VARS
 from kvstore.errors import ConfigError
 
 GOOD = {

@@ -7,7 +7,7 @@ import sys
 
 from kvtest import REPO
 
-from kvstore.config import ENV_VARS
+from kvstore.envvars import ENV_VARS
 
 DOCS = REPO / "docs"
 

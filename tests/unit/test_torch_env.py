@@ -14,7 +14,8 @@ import pytest
 from kvtest import REPO
 
 from kvstore.api import _cluster
-from kvstore.config import ENV_VARS, TORCHRUN_ENV_VARS, TORCHRUN_FALLBACKS, ClusterConfig
+from kvstore.config import ClusterConfig
+from kvstore.envvars import ENV_VARS, TORCHRUN_ENV_VARS, TORCHRUN_FALLBACKS
 from kvstore.errors import ConfigError
 
 SERVERS = {"KVSTORE_SERVERS": "tcp://10.0.0.1:9100"}
