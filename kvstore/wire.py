@@ -54,11 +54,12 @@ Changing the bytes of any message (see the golden tests) requires bumping
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, TypeGuard
+from typing import Any, Generic, TypeGuard, TypeVar
 
 import msgpack
 import zmq
@@ -217,79 +218,221 @@ KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE, RIDS, LANE = (
     _check_lane,
 )
 
-# Per op: (field name, validator, required). The order is the order in the encoded header.
-SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
-    Op.HELLO: (
-        ("r", UINT, True),  # worker rank
-        ("nw", UINT, True),  # number of workers
-        ("ns", UINT, True),  # number of servers
-        ("si", UINT, True),  # the server rank this worker expects at this address
-        ("m", MODE, True),  # mode
-        ("ln", LANE, True),  # which of the worker's two connections this is
-        # the worker's KVSTORE_PARTITION_BYTES, which bounds its largest message (the server
-        # refuses a worker whose messages could exceed its limit: kvstore.topology)
-        ("pb", UINT, False),
-    ),
-    Op.INIT: (
-        ("k", KEY, True),
-        ("c", UINT, True),  # chunk index within the key
-        ("o", UINT, True),  # first element of the chunk within the key
-        ("n", UINT, True),  # elements in the chunk
-        ("dt", DTYPE, True),
-        ("sh", SHAPE, True),  # the whole key's shape
-        ("cd", STR, True),  # codec name
-        ("cp", PARAMS, True),  # codec parameters
-        # pull compression (kvstore.codecs.pulled): codec name and parameters (absent: dense)
-        ("pd", STR, False),
-        ("pp", PARAMS, False),
-    ),
-    Op.PUSH: (("k", KEY, True), ("c", UINT, True), ("n", UINT, True)),
-    # "af": answer once this many of the worker's pushes of the chunk are applied
-    # "rx": a relayed value of at most this many pushes is welcome (absent: dense only)
-    # "pv": with pull compression, the w_pub version the worker holds (-1: none yet)
-    Op.PULL: (
-        ("k", KEY, True),
-        ("c", UINT, True),
-        ("af", UINT, True),
-        ("rx", UINT, False),
-        ("pv", VERSION, False),
-    ),
-    Op.PUSHPULL: (
-        ("k", KEY, True),
-        ("c", UINT, True),
-        ("n", UINT, True),
-        ("rx", UINT, False),
-        ("pv", VERSION, False),
-    ),
-    Op.BARRIER: (),
-    Op.SET_OPTIMIZER: (("opt", STR, True), ("hp", PARAMS, True)),
-    Op.BYE: (),
-    # A worker's heartbeat (see kvstore.worker.transport): answered with an empty REPLY.
-    Op.PING: (),
-    # Checkpoints (collective, see kvstore.checkpoint): "p" the directory the server writes its
-    # shard into (SAVE: the staging directory) or reads it from (LOAD); "ph" the LOAD phase
-    # (0: read and check, 1: commit, 2: abort); "er": this worker could not do its own part
-    # (the server then refuses the whole collective, naming the rank and this text).
-    Op.SAVE: (("p", STR, True), ("er", STR, False)),
-    Op.LOAD: (("p", STR, True), ("ph", UINT, True), ("er", STR, False)),
-    # "ak": ids of push requests this (value) reply also acknowledges
-    # "rl": the value is relayed: the payloads are those of this many pushes, to decode and sum
-    # "hb": (to a HELLO) the server's heartbeat timeout in ms (absent: off); the worker pings it
-    # often enough for it, whatever its own setting
-    # "pc", "pv", "pb": a compressed pull's reply kind (0 dense w_pub, 1 delta, 2 unchanged),
-    # the w_pub version it brings and the version a delta applies to
-    Op.REPLY: (
-        ("sr", UINT, False),
-        ("ak", RIDS, False),
-        ("rl", UINT, False),
-        ("hb", UINT, False),
-        ("pc", UINT, False),
-        ("pv", UINT, False),
-        ("pb", VERSION, False),
-    ),
-    # "lr": the worker rank that was lost (code "worker_lost")
-    Op.ERROR: (("code", STR, True), ("msg", STR, True), ("lr", UINT, False)),
+# The schema: one dataclass per op ---------------------------------------------------------
+#
+# Each op's header fields are declared once, as a dataclass whose fields carry their wire name
+# (the short msgpack key) and validator. Code reads and writes messages through these names
+# (``msg.body.after_pushes``); :data:`SCHEMA` is derived from them, and the field order is the
+# order in the encoded header. Required fields come first; optional ones default to None and
+# are left out of the header when None.
+
+
+def _wire(name: str, check: Callable[[str, Any], None], *, optional: bool = False) -> Any:
+    """A dataclass field sent as header key ``name`` and validated by ``check``."""
+    metadata = {"wire": name, "check": check}
+    return field(default=None, metadata=metadata) if optional else field(metadata=metadata)
+
+
+@dataclass(slots=True)
+class HelloFields:
+    """HELLO: a worker's connection joins the job (one per lane)."""
+
+    rank: int = _wire("r", UINT)
+    num_workers: int = _wire("nw", UINT)
+    num_servers: int = _wire("ns", UINT)
+    server_rank: int = _wire("si", UINT)
+    """The server rank this worker expects at this address."""
+    mode: str = _wire("m", MODE)
+    lane: int = _wire("ln", LANE)
+    """Which of the worker's two connections this is (:data:`LANE_DATA`, :data:`LANE_CONTROL`)."""
+    partition_bytes: int | None = _wire("pb", UINT, optional=True)
+    """The worker's ``KVSTORE_PARTITION_BYTES``, which bounds its largest message: the server
+    refuses a worker whose messages could exceed its limit (:mod:`kvstore.topology`)."""
+
+
+@dataclass(slots=True)
+class InitFields:
+    """INIT: the first value of one chunk of a key (payload: rank 0's value, or none)."""
+
+    key: int | str = _wire("k", KEY)
+    chunk: int = _wire("c", UINT)
+    """The chunk's index within the key (within this server's slice of it)."""
+    offset: int = _wire("o", UINT)
+    """The chunk's first element within the key."""
+    numel: int = _wire("n", UINT)
+    """Elements in the chunk."""
+    dtype: str = _wire("dt", DTYPE)
+    shape: list[int] = _wire("sh", SHAPE)
+    """The whole key's shape."""
+    codec: str = _wire("cd", STR)
+    codec_params: dict[str, Any] = _wire("cp", PARAMS)
+    pull_codec: str | None = _wire("pd", STR, optional=True)
+    """Pull compression's codec (:mod:`kvstore.codecs.pulled`); None: dense pulls."""
+    pull_params: dict[str, Any] | None = _wire("pp", PARAMS, optional=True)
+
+
+@dataclass(slots=True)
+class PushFields:
+    """PUSH: one worker's encoded gradient of one chunk (payloads: the codec's frames)."""
+
+    key: int | str = _wire("k", KEY)
+    chunk: int = _wire("c", UINT)
+    numel: int = _wire("n", UINT)
+
+
+@dataclass(slots=True)
+class PullFields:
+    """PULL: ask for one chunk's value."""
+
+    key: int | str = _wire("k", KEY)
+    chunk: int = _wire("c", UINT)
+    after_pushes: int = _wire("af", UINT)
+    """Answer once this many of the worker's pushes of the chunk are applied."""
+    relay_limit: int | None = _wire("rx", UINT, optional=True)
+    """A relayed value of at most this many pushes is welcome; None: dense only."""
+    held_version: int | None = _wire("pv", VERSION, optional=True)
+    """With pull compression: the ``w_pub`` version the worker holds (-1: none yet)."""
+
+
+@dataclass(slots=True)
+class PushPullFields:
+    """PUSHPULL: a PUSH whose reply is the value of the round it completes."""
+
+    key: int | str = _wire("k", KEY)
+    chunk: int = _wire("c", UINT)
+    numel: int = _wire("n", UINT)
+    relay_limit: int | None = _wire("rx", UINT, optional=True)
+    held_version: int | None = _wire("pv", VERSION, optional=True)
+
+
+@dataclass(slots=True)
+class BarrierFields:
+    """BARRIER: answered once every worker of the job asked."""
+
+
+@dataclass(slots=True)
+class SetOptimizerFields:
+    """SET_OPTIMIZER: the server optimizer (collective; equal on all workers)."""
+
+    name: str = _wire("opt", STR)
+    hyperparameters: dict[str, Any] = _wire("hp", PARAMS)
+
+
+@dataclass(slots=True)
+class ByeFields:
+    """BYE: the worker leaves the job."""
+
+
+@dataclass(slots=True)
+class PingFields:
+    """PING: a worker's heartbeat (:mod:`kvstore.heartbeat`), answered with an empty REPLY."""
+
+
+@dataclass(slots=True)
+class SaveFields:
+    """SAVE: write this server's shard of a checkpoint (collective, :mod:`kvstore.checkpoint`)."""
+
+    path: str = _wire("p", STR)
+    """The staging directory the server writes its shard into."""
+    failure: str | None = _wire("er", STR, optional=True)
+    """This worker could not do its own part: the server refuses the whole collective, naming
+    the rank and this text."""
+
+
+@dataclass(slots=True)
+class LoadFields:
+    """LOAD: restore this server's shard of a checkpoint, in phases (collective)."""
+
+    path: str = _wire("p", STR)
+    """The checkpoint directory the server reads its shard from."""
+    phase: int = _wire("ph", UINT)
+    """0: read and check, 1: commit, 2: abort."""
+    failure: str | None = _wire("er", STR, optional=True)
+    """As :attr:`SaveFields.failure`."""
+
+
+@dataclass(slots=True)
+class ReplyFields:
+    """REPLY: the answer to a request (payloads: a value, when the request asked for one)."""
+
+    server_rank: int | None = _wire("sr", UINT, optional=True)
+    """(To a HELLO) the answering server's rank."""
+    acks: list[int] | None = _wire("ak", RIDS, optional=True)
+    """Ids of push requests this (value) reply also acknowledges."""
+    relayed: int | None = _wire("rl", UINT, optional=True)
+    """The value is relayed: the payloads are those of this many pushes, to decode and sum."""
+    heartbeat_ms: int | None = _wire("hb", UINT, optional=True)
+    """(To a HELLO) the server's heartbeat timeout in ms (None: off); the worker pings it often
+    enough for it, whatever its own setting."""
+    pull_kind: int | None = _wire("pc", UINT, optional=True)
+    """A compressed pull's reply kind: 0 dense ``w_pub``, 1 delta, 2 unchanged."""
+    version: int | None = _wire("pv", UINT, optional=True)
+    """The ``w_pub`` version a compressed pull's reply brings."""
+    base_version: int | None = _wire("pb", VERSION, optional=True)
+    """The ``w_pub`` version a delta applies to."""
+
+
+@dataclass(slots=True)
+class ErrorFields:
+    """ERROR: a request failed."""
+
+    code: str = _wire("code", STR)
+    """An :class:`~kvstore.errors.ErrorCode` value."""
+    message: str = _wire("msg", STR)
+    lost_rank: int | None = _wire("lr", UINT, optional=True)
+    """The worker rank that was lost (code ``worker_lost``)."""
+
+
+Fields = (
+    HelloFields
+    | InitFields
+    | PushFields
+    | PullFields
+    | PushPullFields
+    | BarrierFields
+    | SetOptimizerFields
+    | ByeFields
+    | PingFields
+    | SaveFields
+    | LoadFields
+    | ReplyFields
+    | ErrorFields
+)
+"""The typed header of any message."""
+
+FIELDS_OF: dict[Op, type] = {
+    Op.HELLO: HelloFields,
+    Op.INIT: InitFields,
+    Op.PUSH: PushFields,
+    Op.PULL: PullFields,
+    Op.PUSHPULL: PushPullFields,
+    Op.BARRIER: BarrierFields,
+    Op.SET_OPTIMIZER: SetOptimizerFields,
+    Op.BYE: ByeFields,
+    Op.PING: PingFields,
+    Op.SAVE: SaveFields,
+    Op.LOAD: LoadFields,
+    Op.REPLY: ReplyFields,
+    Op.ERROR: ErrorFields,
 }
+"""Each op's fields dataclass."""
+
+OP_OF: dict[type, Op] = {cls: op for op, cls in FIELDS_OF.items()}
+
+SCHEMA: dict[Op, tuple[tuple[str, Any, bool], ...]] = {
+    op: tuple(
+        (f.metadata["wire"], f.metadata["check"], f.default is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+    )
+    for op, cls in FIELDS_OF.items()
+}
+"""Per op: (wire name, validator, required), in header order; derived from :data:`FIELDS_OF`."""
+
+_WIRE_NAMES: dict[Op, tuple[tuple[str, str], ...]] = {
+    op: tuple((f.metadata["wire"], f.name) for f in dataclasses.fields(cls))
+    for op, cls in FIELDS_OF.items()
+}
+"""Per op: (wire name, attribute name) pairs, in header order."""
 
 # Ops whose payload frame count is fixed by the protocol (others depend on the codec).
 _PAYLOAD_COUNT: dict[Op, tuple[int, ...]] = {
@@ -306,19 +449,25 @@ _PAYLOAD_COUNT: dict[Op, tuple[int, ...]] = {
 }
 
 
+F = TypeVar("F", bound=Fields)
+
+
 @dataclass(slots=True)
-class Message:
+class Message(Generic[F]):
     """A decoded, validated message.
 
     Attributes:
         op: the operation.
         rid: the request id.
-        fields: the op's header fields (see :data:`SCHEMA`).
+        body: the op's header fields, by name (the op's dataclass in :data:`FIELDS_OF`).
+        fields: the same fields under their wire names, as they arrived (for protocol tests
+            and error texts; code reads :attr:`body`).
         payloads: the payload frames (``zmq.Frame``, bytes or memoryviews), in order.
     """
 
     op: Op
     rid: int
+    body: F
     fields: dict[str, Any]
     payloads: list[Any]
 
@@ -460,6 +609,27 @@ def encode(
     return [_pack(header), *payloads]
 
 
+def wire_fields(body: Fields) -> dict[str, Any]:
+    """``body``'s fields under their wire names, None (absent optional) ones left out."""
+    values = {}
+    for wire_name, name in _WIRE_NAMES[OP_OF[type(body)]]:
+        value = getattr(body, name)
+        if value is not None:
+            values[wire_name] = value
+    return values
+
+
+def request(rid: int, body: Fields, payloads: Sequence[Any] = ()) -> list[Any]:
+    """Build the frames of one message whose op is given by ``body``'s type (e.g.
+    :class:`PullFields` -> PULL); see :func:`encode`."""
+    return encode(OP_OF[type(body)], rid, wire_fields(body), payloads)
+
+
+def _body(op: Op, values: dict[str, Any]) -> Any:
+    """The op's dataclass holding the validated wire ``values``."""
+    return FIELDS_OF[op](*[values.get(wire_name) for wire_name, _ in _WIRE_NAMES[op]])
+
+
 def decode(frames: Sequence[Any]) -> Message:
     """Validate and decode one message (without the ROUTER identity frame).
 
@@ -530,12 +700,14 @@ def _decode_header(header: dict[Any, Any], frames: Sequence[Any]) -> Message:
         # (key=repr: the keys may mix str and bytes, which do not compare)
         unknown = sorted(set(header) - {"v", "op", "id", "nb"} - set(fields), key=repr)
         raise ProtocolError(f"{op.name}: unknown fields {_show(unknown, 200)}")
-    return Message(op=op, rid=rid, fields=fields, payloads=payloads)
+    return Message(op=op, rid=rid, body=_body(op, fields), fields=fields, payloads=payloads)
 
 
-def reply(rid: int, fields: dict[str, Any] | None = None, payloads: Sequence[Any] = ()) -> list:
+def reply(rid: int, body: ReplyFields | None = None, payloads: Sequence[Any] = ()) -> list:
     """Frames of a REPLY to request ``rid``."""
-    return encode(Op.REPLY, rid, fields, payloads)
+    if isinstance(body, dict):  # TEMPORARY-DICT-REPLY until the handlers are converted
+        return encode(Op.REPLY, rid, body, payloads)
+    return encode(Op.REPLY, rid, None if body is None else wire_fields(body), payloads)
 
 
 def error(rid: int, code: str, message: str, lost_rank: int | None = None) -> list:
@@ -543,10 +715,7 @@ def error(rid: int, code: str, message: str, lost_rank: int | None = None) -> li
     ``worker_lost`` error names)."""
     if len(message) > MAX_TEXT:  # (a message quoting long keys must not make the reply invalid)
         message = message[: MAX_TEXT - 16] + " ... (truncated)"
-    fields: dict[str, Any] = {"code": str(code), "msg": message}
-    if lost_rank is not None:
-        fields["lr"] = lost_rank
-    return encode(Op.ERROR, rid, fields)
+    return request(rid, ErrorFields(code=str(code), message=message, lost_rank=lost_rank))
 
 
 def peek_request_id(frames: Sequence[Any]) -> int:
