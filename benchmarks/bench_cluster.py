@@ -15,7 +15,7 @@ of ``push`` of every key (backward order: last layer first) and ``pull`` of ever
   bytes both ways.
 
 Workloads: ``key10m``, one 10M-element fp32 key; ``resnet50``, the 161 parameter tensors of
-ResNet-50 (25.6M parameters, ``shared/data/resnet50_param_shapes.json``).
+ResNet-50 (25.6M parameters, ``benchmarks/data/resnet50_param_shapes.json``).
 
 The wire floor of a configuration is the busiest link direction's payload bytes per step over
 the link rate, computed from the real placement (the same topology the workers use): a worker's
@@ -61,8 +61,8 @@ steps, and how long they stood idle at a step's start and end (:mod:`link_trace`
 ``--pin-hosts on`` each host's processes run on its own share of this machine's cores
 (:func:`netns.host_cpus`); records say ``pinned``.
 
-    python benchmarks/bench_cluster.py --preset smoke
-    python benchmarks/bench_cluster.py --preset full --out results/cluster.jsonl
+    python -m benchmarks.bench_cluster --preset smoke
+    python -m benchmarks.bench_cluster --preset full --out results/cluster.jsonl
 
 Needs root for ``ip netns``; without it, prints one "skipped" line and exits 0.
 """
@@ -82,18 +82,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
+from benchmarks.common import (
+    RESNET50_SHAPES,
+    append_jsonl,
+    emit,
+    machine,
+    module_command,
+    server_addresses,
+)
+from benchmarks.link_trace import LinkTrace, by_role, summarize
+from benchmarks.netns import DEFAULT_GSO_MAX_BYTES, check_gso_max_bytes
 
-from common import append_jsonl, emit, machine, server_addresses  # noqa: E402
-from link_trace import LinkTrace, by_role, summarize  # noqa: E402
-from netns import DEFAULT_GSO_MAX_BYTES, check_gso_max_bytes  # noqa: E402
-
-REPO = HERE.parent.parent
-RESNET_SHAPES = REPO.parent / "shared" / "data" / "resnet50_param_shapes.json"
 BUCKET_BYTES = 25 * 1024 * 1024
 
 PRESETS = {
@@ -136,7 +137,7 @@ def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
     if name == "key1m":
         return [("w", (1_000_000,))]
     if name == "resnet50":
-        data = json.loads(RESNET_SHAPES.read_text())
+        data = json.loads(RESNET50_SHAPES.read_text())
         return [(t["name"], tuple(t["shape"])) for t in data["tensors"]]
     raise ValueError(f"unknown workload {name!r}")
 
@@ -334,7 +335,7 @@ def run_gloo(args: argparse.Namespace) -> None:
 
 
 def run_bare_worker(args: argparse.Namespace) -> None:
-    from bare_cluster import bare_worker
+    from benchmarks.bare_cluster import bare_worker
 
     barrier, step = bare_worker(args.addresses.split(","), workload(args.workload))
     report = timed_steps(args.steps, barrier, step, args.warmup_steps)
@@ -543,8 +544,8 @@ def run_bare(cluster, args, workload_name, n, s, placement) -> dict:
     """The ``zmq`` baseline of one configuration (:mod:`bare_cluster`), with the dense floor."""
 
     def server(host: int, rank: int) -> list[str]:
-        return [sys.executable, str(HERE), "--role", "bare-server", "--host",
-                cluster.hosts[host].address, "--num-workers", str(n)]  # fmt: skip
+        return module_command("bench_cluster", "--role", "bare-server", "--host",
+                              cluster.hosts[host].address, "--num-workers", str(n))  # fmt: skip
 
     def worker(rank: int) -> list[str]:
         return ["--role", "bare-worker"]
@@ -567,7 +568,7 @@ def _run_cell(
     server_env: dict[str, str] | None = None,
     worker_env: dict[str, str] | None = None,
 ) -> dict:
-    """Start the servers (``server_argv(host, rank)``), then the workers (this script with
+    """Start the servers (``server_argv(host, rank)``), then the workers (this module with
     ``worker_role(rank)`` and the addresses, workload, steps and warm-up), on the hosts of
     ``placement``; measure them against ``codec``'s floor."""
     server_hosts, worker_hosts = _placement(n, s, placement)
@@ -584,9 +585,10 @@ def _run_cell(
     warmup = warmup_steps(args.warmup_seconds, floor)
     workers = []
     for rank, host in enumerate(worker_hosts):
-        argv = [sys.executable, str(HERE), *worker_role(rank), "--addresses", ",".join(addresses),
-                "--workload", workload_name, "--steps", str(args.steps),
-                "--warmup-steps", str(warmup)]  # fmt: skip
+        argv = module_command(
+            "bench_cluster", *worker_role(rank), "--addresses", ",".join(addresses),
+            "--workload", workload_name, "--steps", str(args.steps), "--warmup-steps", str(warmup),
+        )  # fmt: skip
         workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=worker_env))  # fmt: skip
     roles = _host_roles(server_hosts, worker_hosts) if args.link_trace else None
@@ -595,7 +597,6 @@ def _run_cell(
 
 
 def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
-    py = sys.executable
     master = f"{cluster.hosts[0].address}:29500"
     itemsize = 2 if baseline.endswith("fp16") else 4
     total = sum(math.prod(shape) for _, shape in workload(workload_name)) * itemsize
@@ -603,9 +604,11 @@ def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
     warmup = warmup_steps(args.warmup_seconds, floor)
     processes = []
     for rank in range(n):
-        argv = [py, str(HERE), "--role", "gloo", "--master", master, "--rank", str(rank),
-                "--num-workers", str(n), "--workload", workload_name, "--codec", baseline,
-                "--steps", str(args.steps), "--warmup-steps", str(warmup)]  # fmt: skip
+        argv = module_command(
+            "bench_cluster", "--role", "gloo", "--master", master, "--rank", str(rank),
+            "--num-workers", str(n), "--workload", workload_name, "--codec", baseline,
+            "--steps", str(args.steps), "--warmup-steps", str(warmup),
+        )  # fmt: skip
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
         processes.append(cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, env=env))  # fmt: skip
@@ -618,7 +621,7 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    from netns import Cluster, available, machine_tcp_cc
+    from benchmarks.netns import Cluster, available, machine_tcp_cc
 
     # A benchmark stopped with kill (or its terminal closed) would otherwise die without
     # unwinding and leave namespaces, the bridge, server processes and the widened list of
@@ -641,7 +644,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown baselines {unknown}; expected {', '.join(BASELINES)}")
         check_gso_max_bytes(args.gso_kib * 1024)
     except ValueError as exc:
-        raise SystemExit(f"bench_cluster.py: {exc}") from None
+        raise SystemExit(f"bench_cluster: {exc}") from None
     why_not = available()
     if why_not is not None:
         emit({"bench": "cluster", "skipped": why_not})
@@ -753,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         "--link-trace",
         action="store_true",
         help="sample every link's byte counters (about every ms, real-time priority) and "
-        "report how busy each role's links were over the timed steps (link_trace.py)",
+        "report how busy each role's links were over the timed steps (benchmarks/link_trace.py)",
     )
     parser.add_argument(
         "--push-borrow",
@@ -791,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
         run_bare_worker(args)
         return 0
     if args.role == "bare-server":
-        from bare_cluster import bare_server
+        from benchmarks.bare_cluster import bare_server
 
         bare_server(args.host, args.num_workers)
         return 0

@@ -27,14 +27,14 @@ It also times the server-side decode/aggregate of one round (the real ``Aggregat
 one per partition) on 1, 2, 4... threads, which scales because the kernels release the GIL.
 With ``--gpu`` (CuPy and a device needed) it times the CuPy kernels at 100M elements against a
 device-to-device copy of the same bytes (bytes read + written), and trains the MNIST example with
-2 workers (each a process on the one GPU) x 2 servers through ``benchmarks/convergence.py``, with
+2 workers (each a process on the one GPU) x 2 servers through :mod:`benchmarks.convergence`, with
 CUDA tensors and, as the baseline in the same run, on the CPU: MLP and CNN, dense and 2-bit. Each
 training line has the final test accuracy and worker 0's per-step milliseconds of encode (the
 kernels), device-to-host copy, wire (waiting for the servers' replies) and host-to-device copy.
 
-    python benchmarks/bench_codecs.py --preset smoke
-    python benchmarks/bench_codecs.py --preset full
-    python benchmarks/bench_codecs.py --preset full --gpu --gpu-only   # the GPU sections alone
+    python -m benchmarks.bench_codecs --preset smoke
+    python -m benchmarks.bench_codecs --preset full
+    python -m benchmarks.bench_codecs --preset full --gpu --gpu-only   # the GPU sections alone
 """
 
 from __future__ import annotations
@@ -47,16 +47,16 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Every kernel here is timed on one thread; BLAS reads its thread count once, when numpy (which
+# the imports below load) is first imported, so it is set before them.
 for _blas_threads in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_blas_threads, "1")  # every kernel here is timed on one thread
+    os.environ.setdefault(_blas_threads, "1")
 
-import numpy as np  # noqa: E402
-from common import emit, interleaved_medians, machine  # noqa: E402
+import numpy as np  # noqa: E402  (after the thread counts above)
 
+from benchmarks.common import REPO, emit, interleaved_medians, machine, module_command  # noqa: E402
 from kvstore.codecs import get_codec, twobit  # noqa: E402
 from kvstore.codecs.finite import count_nonfinite  # noqa: E402
 
@@ -462,15 +462,14 @@ STEP_TIMES = ("encode", "d2h", "wire", "h2d")
 def bench_gpu_training(preset: str) -> None:
     """The MNIST example, 2 workers x 2 servers, on the GPU and on the CPU: accuracy and
     per-step times (worker 0's ``kv.stats()`` timers)."""
-    convergence = Path(__file__).resolve().parent / "convergence.py"
     for model, epochs in GPU_TRAINING[preset].items():
         for device in ("cpu", "cuda"):
-            command = [
-                sys.executable, str(convergence), "-n", "2", "-s", "2", "--model", model,
+            command = module_command(
+                "convergence", "-n", "2", "-s", "2", "--model", model,
                 "--epochs", str(epochs), "--device", device, "--optimizer", "server",
                 "--lr", "0.2", "--momentum", "0.5", "--runs", "none", "2bit",
-            ]  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+            )  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=REPO)
             lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
             if done.returncode != 0:
                 emit({"bench": "codecs", "op": "mnist training", "model": model,

@@ -40,8 +40,8 @@ host shares them, the kernel's networking included).
 Records (JSON lines): one per mode, then a summary with the ratio of each wrapper mode to
 push-after-backward and the machine.
 
-    python benchmarks/bench_overlap.py --preset smoke
-    python benchmarks/bench_overlap.py --preset full --out results/overlap.jsonl
+    python -m benchmarks.bench_overlap --preset smoke
+    python -m benchmarks.bench_overlap --preset full --out results/overlap.jsonl
 
 ``--network netns`` (the full preset's) needs root for ``ip netns``; ``--network auto`` (the
 smoke preset's) falls back to loopback where namespaces cannot be made (nothing is shaped there:
@@ -61,13 +61,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
-
-from common import append_jsonl, emit, machine, server_addresses  # noqa: E402
+from benchmarks.common import REPO, append_jsonl, emit, machine, module_command, server_addresses
 
 PUSH_AFTER_BACKWARD = "push-after-backward"
 WRAPPER_PLANS = ("none", "bucket", "mgs", "mgs-measured")
@@ -442,7 +438,7 @@ class LoopbackHosts:
     rate_mbit = None
 
     def __init__(self, num_hosts: int) -> None:
-        from netns import Host
+        from benchmarks.netns import Host
 
         self.hosts = [Host(i, "", "127.0.0.1") for i in range(num_hosts)]
 
@@ -453,7 +449,8 @@ class LoopbackHosts:
         self.stop_processes()
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
-        process = subprocess.Popen(list(argv), start_new_session=True, **kwargs)
+        """Start ``argv`` as :meth:`benchmarks.netns.Cluster.popen` does, on loopback."""
+        process = subprocess.Popen(list(argv), start_new_session=True, **{"cwd": REPO, **kwargs})
         self.hosts[host].processes.append(process)
         return process
 
@@ -473,7 +470,7 @@ class LoopbackHosts:
 
 def _hosts(network: str, num_hosts: int, rate: float) -> tuple[Any, str, str | None]:
     """The hosts to run on, which network that is, and why netns was not used (or None)."""
-    from netns import Cluster, available
+    from benchmarks.netns import Cluster, available
 
     if network == "loopback":
         return LoopbackHosts(num_hosts), "loopback", None
@@ -536,14 +533,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 def _run_job(hosts: Any, settings: dict[str, Any], servers: int, timeout: float) -> tuple:
     """Start the servers (hosts ``0..servers-1``) and the two workers (the next two hosts);
     return the workers' reports and the CPU monitor that watched them."""
-    from bench_cluster import CpuMonitor
+    from benchmarks.bench_cluster import CpuMonitor
 
     py = sys.executable
     worker_env = {**os.environ, "OMP_NUM_THREADS": "1"}
     workers = []
     for rank in range(2):  # first: they import torch while the servers start
-        argv = [py, str(HERE), "--role", "worker", "--rank", str(rank),
-                "--settings", json.dumps(settings)]  # fmt: skip
+        argv = module_command("bench_overlap", "--role", "worker", "--rank", str(rank),
+                              "--settings", json.dumps(settings))  # fmt: skip
         workers.append(
             hosts.popen(
                 servers + rank,

@@ -29,8 +29,8 @@ over bare pyzmq, each 2-bit configuration over dense, pushpull and borrowed push
 pull, each CURVE configuration over the same one without keys. One JSON line per configuration,
 then a summary line.
 
-    python benchmarks/bench_pushpull.py --preset smoke
-    python benchmarks/bench_pushpull.py --preset full
+    python -m benchmarks.bench_pushpull --preset smoke
+    python -m benchmarks.bench_pushpull --preset full
 """
 
 from __future__ import annotations
@@ -42,18 +42,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import emit, machine, start_server, stop_processes  # noqa: E402
-
-from kvstore._malloc import tune_malloc  # noqa: E402
-from kvstore.auth import JobKeys, role_env  # noqa: E402
-from kvstore.config import DEFAULT_PARTITION_BYTES  # noqa: E402
-
-HERE = Path(__file__).resolve()
+from benchmarks.common import REPO, emit, machine, module_command, start_server, stop_processes
+from kvstore._malloc import tune_malloc
+from kvstore.auth import JobKeys, role_env
+from kvstore.config import DEFAULT_PARTITION_BYTES
 
 PRESETS = {
     "smoke": {"elements": 1_000_000, "workers": 2, "steps": 5, "rounds": 1},
@@ -200,7 +194,8 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
     server_env = {**os.environ, **role_env("server", keys)}
     worker_env = {**os.environ, **role_env("worker", keys)}
     if bare:
-        server_cmd = [py, str(HERE), "--role", "bare-server", "--workers", str(workers)]
+        server_cmd = module_command("bench_pushpull", "--role", "bare-server")
+        server_cmd += ["--workers", str(workers)]
         server_cmd += ["--elements", str(elements), "--steps", str(steps)]
         server_cmd += ["--pipelined"] if name.endswith("pipelined") else []
     else:
@@ -209,7 +204,8 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
     children: list[subprocess.Popen] = []
     try:
         for rank in range(workers):
-            command = [py, str(HERE), "--address", address, "--elements", str(elements)]
+            command = module_command("bench_pushpull", "--address", address)
+            command += ["--elements", str(elements)]
             command += ["--steps", str(steps), "--workers", str(workers), "--rank", str(rank)]
             if bare:
                 command += ["--role", "bare-worker"]
@@ -221,7 +217,9 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
                 command += ["--pushpull"] if config.pushpull else []
                 command += ["--borrow"] if config.borrow else []
             children.append(
-                subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=worker_env)
+                subprocess.Popen(
+                    command, stdout=subprocess.PIPE, text=True, env=worker_env, cwd=REPO
+                )
             )
         times: list[float] = []
         for child in children:

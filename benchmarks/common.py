@@ -1,5 +1,6 @@
-"""Shared helpers of the benchmarks: JSON-lines output, an environment stamp, robust timing,
-starting a server process."""
+"""Shared helpers of the benchmarks: where the repository is and how a benchmark starts a process
+of another benchmark module, JSON-lines output, an environment stamp, robust timing, starting a
+server process."""
 
 from __future__ import annotations
 
@@ -13,6 +14,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+"""The repository's root: the working directory of every benchmark process started with
+:func:`module_command` (``benchmarks`` is importable from there)."""
+
+RESNET50_SHAPES = REPO / "benchmarks" / "data" / "resnet50_param_shapes.json"
+"""ResNet-50's 161 parameter shapes (torchvision layout), in forward order."""
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command that runs ``benchmarks.<module>`` with ``args`` in this interpreter; start it
+    with ``cwd=REPO``."""
+    return [sys.executable, "-m", f"benchmarks.{module}", *args]
 
 
 def machine() -> dict[str, Any]:
@@ -89,13 +103,15 @@ def start_server(
     """Start a server process from ``command`` and wait for its ``KVSTORE_READY`` line.
 
     Returns the process and its address. ``env`` defaults to this process's environment; the
-    server logs errors only. A server that prints anything else first is killed.
+    server logs errors only. It runs in :data:`REPO` (``command`` may be a
+    :func:`module_command`). A server that prints anything else first is killed.
     """
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         text=True,
         env={**(os.environ if env is None else env), "KVSTORE_LOG_LEVEL": "ERROR"},
+        cwd=REPO,
     )
     line = process.stdout.readline()
     if not line.startswith("KVSTORE_READY"):

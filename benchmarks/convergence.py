@@ -20,9 +20,9 @@ seconds) and ``full`` (the k% table, ``--sweep ktable``: CNN, 2 workers, 10 epoc
 and ``2bit`` with ``residual_clip: 1``; 3 seeds for the dense and the 0.1% rows). Options
 given on the command line override the preset's::
 
-    python benchmarks/convergence.py --preset smoke --table conv.md --plot conv.png
-    python benchmarks/convergence.py --preset full --table ktable.md --plot ktable.png
-    python benchmarks/convergence.py --model cnn --epochs 2 --runs none 2bit --seeds 0 1
+    python -m benchmarks.convergence --preset smoke --table conv.md --plot conv.png
+    python -m benchmarks.convergence --preset full --table ktable.md --plot ktable.png
+    python -m benchmarks.convergence --model cnn --epochs 2 --runs none 2bit --seeds 0 1
 """
 
 from __future__ import annotations
@@ -40,13 +40,12 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-HERE = Path(__file__).resolve().parent
-TRAIN = HERE.parent / "examples" / "mnist" / "train.py"
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(TRAIN.parent))
+from benchmarks.common import REPO, emit, machine
+
+TRAIN = REPO / "examples" / "mnist" / "train.py"
+sys.path.insert(0, str(TRAIN.parent))
 
 from codec_spec import format_codec_spec, parse_codec_spec  # noqa: E402
-from common import emit, machine  # noqa: E402
 from mnist_data import train_images_per_worker  # noqa: E402
 
 from kvstore.codecs import codec_from_spec  # noqa: E402

@@ -1,5 +1,5 @@
 """One worker of torch DDP (gloo) training the MNIST example's model on the example's data: the
-allreduce baseline of ``time_to_accuracy.py``.
+allreduce baseline of :mod:`benchmarks.time_to_accuracy`.
 
 Same data shard per rank, model, batch size, seed, epoch order and SGD (with its momentum and
 weight decay) as ``examples/mnist/train.py`` with ``--optimizer local``; DDP averages the
@@ -7,7 +7,7 @@ gradients with gloo allreduce, in fp32 or through torch's PowerSGD communication
 prints a JSON line per epoch: test accuracy and the epoch's seconds (its evaluation included, as
 the example's).
 
-    python benchmarks/ddp_mnist.py --master HOST:PORT --rank R --num-workers N [--powersgd 4]
+    python -m benchmarks.ddp_mnist --master HOST:PORT --rank R --num-workers N [--powersgd 4]
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ permitted): the emulated hosts share this machine's cores, and a sampler that wa
 behind the job would report the bins it slept through as idle links. Bins it did not sample
 (it fell behind anyway) take the counters' straight-line interpolation; ``sample_gap_ms`` says
 how long its longest gap was. Its reads cost a few percent of a core, so it is opt-in:
-``bench_cluster.py --link-trace``.
+``python -m benchmarks.bench_cluster --link-trace``.
 
-    python benchmarks/link_trace.py --sample OUT.bin PORT [PORT ...]   # the sampler (internal)
+    python -m benchmarks.link_trace --sample OUT.bin PORT [PORT ...]   # the sampler (internal)
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.common import REPO, module_command
 
 SAMPLE_INTERVAL_S = 0.001
 """Time between two samples of every counter."""
@@ -110,8 +112,8 @@ class LinkTrace:
         self.counters = np.empty((0, 2 * len(self.ports)))
 
     def __enter__(self) -> LinkTrace:
-        argv = [sys.executable, __file__, "--sample", str(self._path), *self.ports]
-        self._process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        argv = module_command("link_trace", "--sample", str(self._path), *self.ports)
+        self._process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO)
         if self._process.stdout.readline().strip() != "ready":  # counters open, sampling
             process, self._process = self._process, None
             process.stdout.close()

@@ -23,8 +23,8 @@ The cost model, stated (the constants are flags):
   model; the compressed return path is planned) or the dense float32 pull of today (4); the
   push (``8 * ratio``) travels the other direction, concurrently.
 
-    python benchmarks/mgs_plan.py --preset smoke
-    python benchmarks/mgs_plan.py --preset full
+    python -m benchmarks.mgs_plan --preset smoke
+    python -m benchmarks.mgs_plan --preset full
 """
 
 from __future__ import annotations
@@ -34,17 +34,14 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-from common import emit, machine, median_seconds  # noqa: E402
-
-from kvstore.config import DEFAULT_BIGARRAY_BOUND, DEFAULT_PARTITION_BYTES  # noqa: E402
-from kvstore.topology import partition_elems_for, plan_chunks  # noqa: E402
-from kvstore.torch.mgs import (  # noqa: E402
+from benchmarks.common import RESNET50_SHAPES, emit, machine, median_seconds
+from kvstore.config import DEFAULT_BIGARRAY_BOUND, DEFAULT_PARTITION_BYTES
+from kvstore.topology import partition_elems_for, plan_chunks
+from kvstore.torch.mgs import (
     CommCost,
     Layer,
     SparsifyCost,
@@ -54,9 +51,6 @@ from kvstore.torch.mgs import (  # noqa: E402
     plan_buckets,
     timeline,
 )
-
-SHAPES = Path(__file__).resolve().parent / "data" / "resnet50_param_shapes.json"
-"""ResNet-50's parameter shapes (torchvision layout), in forward order."""
 
 PRESETS = {
     "smoke": {"sizes": [1 << 10, 1 << 14, 1 << 18], "repeats": 3},
@@ -76,7 +70,7 @@ FIXED_BUCKETS = {"fixed 4 MiB": 4 << 20, "fixed 25 MiB": 25 << 20}
 
 def resnet50_layers(backward_seconds: float) -> list[Layer]:
     """ResNet-50's tensors in backward order, ``backward_seconds`` split by elements."""
-    tensors = json.loads(SHAPES.read_text())["tensors"]
+    tensors = json.loads(RESNET50_SHAPES.read_text())["tensors"]
     numels = [math.prod(t["shape"]) for t in reversed(tensors)]
     total = sum(numels)
     return [Layer(n, backward_seconds * n / total) for n in numels]

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from netlink import ipv4_segment_size, set_segment_sizes
+from benchmarks.common import REPO
+from benchmarks.netlink import ipv4_segment_size, set_segment_sizes
 
 _HEADROOM = 1024
 """Bytes of a shaper's bucket left for the headers of a largest TCP unit."""
@@ -278,7 +279,8 @@ class Cluster:
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` inside host ``host`` (on its cores, if pinned); stopped by
-        :meth:`close` if still running."""
+        :meth:`close` if still running. It runs in the repository's root unless ``kwargs`` name a
+        ``cwd``: a benchmark's own processes run as ``python -m benchmarks.NAME``."""
         cpus = self.hosts[host].cpus
         # taskset sets the cores before it executes argv, so every thread the process starts
         # inherits them.
@@ -286,7 +288,7 @@ class Cluster:
         process = subprocess.Popen(
             ["ip", "netns", "exec", self.hosts[host].namespace, *pin, *argv],
             start_new_session=True,
-            **kwargs,
+            **{"cwd": REPO, **kwargs},
         )
         self.hosts[host].processes.append(process)
         return process

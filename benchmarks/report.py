@@ -1,6 +1,6 @@
 """Turn ``bench_cluster.py`` JSON lines into a Markdown table and a PNG plot.
 
-    python benchmarks/report.py results/cluster_mtu9000.jsonl \\
+    python -m benchmarks.report results/cluster_mtu9000.jsonl \\
         --markdown TABLE.md --plot docs/img/cluster.png
 
 (docs/cluster-grid.md is the table under a short introduction; a test checks it against the data.)

@@ -10,7 +10,7 @@ more epochs than dense ones to get there (each of them far cheaper), so a fixed 
 would measure where the runs stand, not when they arrive. Parameter-server runs put one
 server on each worker's host (colocated: each host's link carries a share of the keys, like the
 ring of allreduce) and run ``examples/mnist/train.py`` with the servers' SGD; DDP runs
-``benchmarks/ddp_mnist.py`` with the same model, data shards, batch, seed and SGD. Runs
+:mod:`benchmarks.ddp_mnist` with the same model, data shards, batch, seed and SGD. Runs
 (:data:`RUNS`):
 
 * ``ps-dense``: dense pushes and pulls;
@@ -25,8 +25,8 @@ Prints a JSON line per epoch of each run (its cumulative seconds included) and o
 with the seconds to ``--target`` (null when the run never got there); ``--table`` and
 ``--plot`` write a markdown table and a plot of accuracy against wall time.
 
-    python benchmarks/time_to_accuracy.py --preset full --table tta.md --plot docs/img/tta.png
-    python benchmarks/time_to_accuracy.py --from results/time_to_accuracy.jsonl --table t.md
+    python -m benchmarks.time_to_accuracy --preset full --table tta.md --plot docs/img/tta.png
+    python -m benchmarks.time_to_accuracy --from results/time_to_accuracy.jsonl --table t.md
 """
 
 from __future__ import annotations
@@ -41,12 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-TRAIN = HERE.parent / "examples" / "mnist" / "train.py"
-DDP = HERE / "ddp_mnist.py"
+from benchmarks.common import REPO, append_jsonl, emit, machine, module_command, server_addresses
 
-from common import append_jsonl, emit, machine, server_addresses  # noqa: E402
+TRAIN = REPO / "examples" / "mnist" / "train.py"
 
 RUNS: dict[str, dict[str, Any]] = {
     "ps-dense": {"push": "none", "pull": "none"},
@@ -124,9 +121,9 @@ def run_ddp(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subp
     workers = []
     for rank in range(args.workers):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
-        argv = [sys.executable, str(DDP), "--master", master, "--rank", str(rank),
-                "--num-workers", str(args.workers), "--powersgd", str(run["ddp"]),
-                *_common_training(args)]  # fmt: skip
+        argv = module_command("ddp_mnist", "--master", master, "--rank", str(rank),
+                              "--num-workers", str(args.workers), "--powersgd", str(run["ddp"]),
+                              *_common_training(args))  # fmt: skip
         workers.append(
             cluster.popen(
                 rank, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -143,7 +140,7 @@ def run_one(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     Raises:
         RuntimeError: the workers stopped before any of those, or reported no epoch.
     """
-    from netns import Cluster
+    from benchmarks.netns import Cluster
 
     run = RUNS[name]
     records: list[dict[str, Any]] = []
@@ -280,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.rate = record.get("rate_mbit", args.rate)
                 args.model = record.get("model", args.model)
     else:
-        from netns import available
+        from benchmarks.netns import available
 
         why_not = available()
         if why_not is not None:

@@ -10,19 +10,20 @@ import sys
 import pytest
 from kvtest import REPO
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+from benchmarks.bench_overlap import Phases, _in_run, push_timing
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WRAPPER_MODES = {"wrapper none", "wrapper bucket", "wrapper mgs", "wrapper mgs-measured"}
 
 
 def test_smoke_preset_reports_every_mode_against_push_after_backward():
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_overlap.py"), "--preset", "smoke"],
+        [sys.executable, "-m", "benchmarks.bench_overlap", "--preset", "smoke"],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
@@ -64,8 +65,6 @@ def test_smoke_preset_reports_every_mode_against_push_after_backward():
 
 
 def test_perfect_overlap_hides_the_shorter_of_backward_and_communication():
-    from bench_overlap import _in_run
-
     steps = {"forward_seconds": 1.0, "update_seconds": 0.5, "backward_seconds": 2.0}
     equal = _in_run({**steps, "wait_seconds": 2.0})
     assert equal["full_overlap_ratio"] == pytest.approx((1.5 + 2.0) / (1.5 + 4.0), abs=1e-3)
@@ -74,8 +73,6 @@ def test_perfect_overlap_hides_the_shorter_of_backward_and_communication():
 
 
 def test_push_timing_is_relative_to_backward_and_counts_what_it_covered():
-    from bench_overlap import Phases, push_timing
-
     phases = Phases(started_at=0.0, start=10.0, forward_end=11.0, backward_end=13.0,
                     communication_end=14.0, end=14.5)  # fmt: skip
     # (start, end, bytes): two pushes inside backward, one made by step() after it

@@ -16,15 +16,34 @@ from pathlib import Path
 import pytest
 from kvtest import REPO
 
+from benchmarks.bench_cluster import (
+    MAX_WARMUP_STEPS,
+    CpuMonitor,
+    floor_seconds,
+    timed_steps,
+    warmup_steps,
+)
+from benchmarks.netns import (
+    _ALLOWED_CC,
+    _AVAILABLE_CC,
+    LINUX_GSO_MAX_BYTES,
+    Cluster,
+    available,
+    host_cpus,
+)
+from benchmarks.report import _cell
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def run(script: str, *args: str) -> list[dict]:
+def run(module: str, *args: str) -> list[dict]:
+    """Run ``python -m benchmarks.<module> --preset smoke ARGS`` from the repository's root."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), "--preset", "smoke", *args],
+        [sys.executable, "-m", f"benchmarks.{module}", "--preset", "smoke", *args],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
@@ -33,7 +52,7 @@ def run(script: str, *args: str) -> list[dict]:
 
 
 def test_codec_benchmark_smoke():
-    records = run("bench_codecs.py")
+    records = run("bench_codecs")
     ops = {r.get("op") for r in records}
     assert {"a += b (numpy)", "2bit encode (numba)", "2bit decode+accumulate (numba)"} <= ops
     assert {"qsgd (levels 15) encode (numba)", "1bit decode+accumulate (numba)"} <= ops
@@ -43,7 +62,7 @@ def test_codec_benchmark_smoke():
 
 
 def test_pushpull_benchmark_smoke():
-    records = run("bench_pushpull.py")
+    records = run("bench_pushpull")
     configs = {r.get("config") for r in records}
     assert {"bare pyzmq", "bare pyzmq pipelined", "kvstore none", "kvstore 2bit"} <= configs
     assert {"kvstore none pushpull", "kvstore none borrow"} <= configs
@@ -59,7 +78,7 @@ def test_pushpull_benchmark_smoke():
 
 def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
     out = tmp_path / "cluster.jsonl"
-    records = run("bench_cluster.py", "--out", str(out), "--baselines", "zmq", "--link-trace")
+    records = run("bench_cluster", "--out", str(out), "--baselines", "zmq", "--link-trace")
     if "skipped" in records[0]:  # no root or no iproute2 here: the harness says why
         assert records[0]["skipped"]
         return
@@ -86,10 +105,11 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
             assert 0 < shares["utilization"] <= 1.05, links  # the pushes crossed these links
             assert abs(shares["full"] + shares["partial"] + shares["idle"] - 1) < 0.01
     report = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "report.py"), str(out)],
+        [sys.executable, "-m", "benchmarks.report", str(out)],
         capture_output=True,
         text=True,
         check=True,
+        cwd=REPO,
     )
     assert "| key1m | 2 | 1 | separate |" in report.stdout
     assert "bare pyzmq, dense bytes" in report.stdout
@@ -97,8 +117,6 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
 
 
 def test_cluster_warmup_is_about_the_requested_time_at_the_floors_pace():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_cluster import MAX_WARMUP_STEPS, timed_steps, warmup_steps
 
     assert warmup_steps(3.0, 0.64) == 5
     assert warmup_steps(3.0, 2.7) == 2
@@ -114,8 +132,6 @@ def test_cluster_warmup_is_about_the_requested_time_at_the_floors_pace():
 
 
 def test_cluster_report_names_cells_whose_steps_had_not_settled():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from report import _cell
 
     base = {"seconds_per_step": 1.7, "over_floor": 1.04, "cpu_busy": 0.3}
     settled = _cell({**base, "step_seconds": [1.69, 1.70, 1.72, 1.71, 1.70]})
@@ -156,8 +172,6 @@ def test_cluster_cpu_use_charges_the_job_with_its_own_processes_only():
     """Behaviour, not shares of the machine (those depend on whatever else runs): a process
     that spins for a known amount of CPU time is counted when it is in the job and not
     otherwise, one that sleeps is counted as ~0, and every field is a fraction."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_cluster import CpuMonitor
 
     hz = os.sysconf("SC_CLK_TCK")
     busy = subprocess.Popen(
@@ -222,8 +236,6 @@ def test_cluster_cpu_use_charges_the_job_with_its_own_processes_only():
 
 
 def test_cluster_floors_count_the_bytes_each_codec_moves():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_cluster import floor_seconds
 
     keys = [("w", (10_000_000,))]
     rate = 125e6  # 1 Gbit/s
@@ -246,8 +258,6 @@ def test_cluster_floors_count_the_bytes_each_codec_moves():
 
 @pytest.mark.parametrize("algorithm", ["reno", "cubic"])
 def test_cluster_hosts_use_the_pinned_congestion_control(algorithm):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from netns import _ALLOWED_CC, _AVAILABLE_CC, Cluster, available
 
     why_not = available()
     if why_not is not None:
@@ -291,8 +301,6 @@ def _cores_seen(cluster, host: int) -> str:
 
 
 def test_cluster_pins_each_hosts_processes_and_their_threads_to_its_cores():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from netns import Cluster, available, host_cpus
 
     why_not = available()
     if why_not is not None:
@@ -328,8 +336,6 @@ with socket.create_server(("0.0.0.0", 5555)) as server:
 def test_cluster_hosts_send_tcp_in_units_of_the_requested_size(gso_kib):
     """32 MB from one host to another: the packets the sender's link carried average what the
     hosts were told to send (BIG TCP above 64 KiB), and no more."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from netns import LINUX_GSO_MAX_BYTES, Cluster, available
 
     why_not = available()
     if why_not is not None:
@@ -361,15 +367,13 @@ def test_cluster_hosts_send_tcp_in_units_of_the_requested_size(gso_kib):
 
 
 def test_cluster_refuses_units_larger_than_its_shapers_bucket():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from netns import Cluster
 
     with pytest.raises(ValueError, match="gso_max_bytes=262144"):
         Cluster(2, burst_bytes=256 * 1024, gso_max_bytes=256 * 1024)
 
 
 def test_cluster_benchmark_runs_each_kvstore_cell_without_and_with_keys():
-    records = run("bench_cluster.py", "--codecs", "none", "--auth", "both")
+    records = run("bench_cluster", "--codecs", "none", "--auth", "both")
     if "skipped" in records[0]:
         assert records[0]["skipped"]
         return
@@ -381,8 +385,6 @@ def test_cluster_benchmark_runs_each_kvstore_cell_without_and_with_keys():
 
 
 def test_a_cluster_benchmark_stopped_with_sigterm_tears_its_hosts_down(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from netns import _ALLOWED_CC, available
 
     why_not = available()
     if why_not is not None:
@@ -390,9 +392,9 @@ def test_a_cluster_benchmark_stopped_with_sigterm_tears_its_hosts_down(tmp_path)
     allowed_before = _ALLOWED_CC.read_text()
     log = open(tmp_path / "stderr.txt", "w+")  # a file, not a pipe: nothing can block on it
     bench = subprocess.Popen(
-        [sys.executable, str(REPO / "benchmarks" / "bench_cluster.py"), "--preset", "smoke",
+        [sys.executable, "-m", "benchmarks.bench_cluster", "--preset", "smoke",
          "--codecs", "none", "--baselines=", "--steps", "100000"],
-        stdout=subprocess.DEVNULL, stderr=log, text=True,
+        stdout=subprocess.DEVNULL, stderr=log, text=True, cwd=REPO,
     )  # fmt: skip
     prefix = f"kvh{bench.pid % 100000}-"
     children: list[int] = []  # the finally below reads it even if the loop never ran
@@ -445,7 +447,7 @@ def _tear_down_leftovers(
 
 def test_time_to_accuracy_smoke_or_reports_why_not(tmp_path):
     out = tmp_path / "tta.jsonl"
-    records = run("time_to_accuracy.py", "--out", str(out), "--table", str(tmp_path / "t.md"))
+    records = run("time_to_accuracy", "--out", str(out), "--table", str(tmp_path / "t.md"))
     if "skipped" in records[0]:  # no root or no iproute2 here: the harness says why
         assert records[0]["skipped"]
         return
@@ -459,6 +461,6 @@ def test_time_to_accuracy_smoke_or_reports_why_not(tmp_path):
     summary = [r for r in records if "seconds_to_target" in r]
     assert [r["run"] for r in summary] == ["ps-2bit", "ddp-fp32"]
     # the table is rebuilt from the JSON lines alone
-    again = run("time_to_accuracy.py", "--from", str(out), "--table", str(tmp_path / "u.md"))
+    again = run("time_to_accuracy", "--from", str(out), "--table", str(tmp_path / "u.md"))
     assert [r for r in again if "seconds_to_target" in r] == summary
     assert (tmp_path / "u.md").read_text() == (tmp_path / "t.md").read_text()

@@ -19,12 +19,13 @@ def test_convergence_smoke_preset_reports_every_run(tmp_path):
     for module in ("torch", "mlxtend", "matplotlib"):
         pytest.importorskip(module)
     table, plot = tmp_path / "convergence.md", tmp_path / "convergence.png"
-    command = [sys.executable, str(REPO / "benchmarks" / "convergence.py"), "--preset", "smoke"]
+    command = [sys.executable, "-m", "benchmarks.convergence", "--preset", "smoke"]
     result = subprocess.run(
         [*command, "--table", str(table), "--plot", str(plot)],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
@@ -57,6 +58,9 @@ def test_convergence_smoke_preset_reports_every_run(tmp_path):
     printed.write_text(result.stdout)
     rebuilt = tmp_path / "rebuilt.md"
     subprocess.run(
-        [*command[:2], "--from", str(printed), "--table", str(rebuilt)], check=True, timeout=60
+        [*command[:3], "--from", str(printed), "--table", str(rebuilt)],
+        check=True,
+        timeout=60,
+        cwd=REPO,
     )
     assert rebuilt.read_text() == table.read_text()

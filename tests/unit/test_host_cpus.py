@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from kvtest import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from netns import host_cpus  # noqa: E402
+from benchmarks.netns import host_cpus
 
 
 def test_fewer_cores_than_hosts_gives_each_host_one_core_in_turn():

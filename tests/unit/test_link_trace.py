@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import socket
-import sys
 
 import numpy as np
 import pytest
-from kvtest import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from bench_cluster import _host_roles  # noqa: E402
-from link_trace import LinkTrace, by_role, summarize  # noqa: E402
+from benchmarks.bench_cluster import _host_roles
+from benchmarks.link_trace import LinkTrace, by_role, summarize
 
 RATE = 125e6  # bytes/s: 1 Gbit/s
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -338,8 +337,7 @@ def test_the_benchmarks_resnet50_shapes_are_complete():
 
 
 def test_the_benchmarks_plans_on_resnet50_with_stated_constants():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from mgs_plan import compare_plans, resnet50_layers
+    from benchmarks.mgs_plan import compare_plans, resnet50_layers
 
     ls = resnet50_layers(backward_seconds=0.1)
     assert len(ls) == 161 and ls[0].numel == 1000  # backward order: the fc bias first
