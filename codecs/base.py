@@ -1,4 +1,4 @@
-"""The codec interface and the codec registry.
+"""The codec interface: the three parts of a codec, and the helpers they share.
 
 A codec turns one chunk of a worker's gradient into payload frames, and turns the frames of N
 workers back into one aggregate on the server. It is split into three objects, so that
@@ -480,58 +480,3 @@ def positive_float32(codec: str, name: str, value: Any) -> float:
     if not math.isfinite(float(value)) or not as32 > 0 or not math.isfinite(as32):
         raise CodecError(f"codec {codec!r}: {name} must be a finite number > 0, got {value!r}")
     return as32
-
-
-# Registry ------------------------------------------------------------------------------------
-
-_REGISTRY: dict[str, type[Codec]] = {}
-
-
-def register_codec(cls: type[Codec]) -> type[Codec]:
-    """Class decorator that registers a codec under ``cls.name``; a duplicate name raises."""
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise CodecError(f"{cls.__name__} has no codec name")
-    if name in _REGISTRY:
-        raise CodecError(
-            f"codec name {name!r} is already registered by {_REGISTRY[name].__qualname__}"
-        )
-    _REGISTRY[name] = cls
-    return cls
-
-
-def registered_codecs() -> list[str]:
-    """Names of all registered codecs, sorted."""
-    return sorted(_REGISTRY)
-
-
-def get_codec(name: str, **params: Any) -> Codec:
-    """Instantiate the codec registered as ``name`` with validated ``params``.
-
-    Raises:
-        CodecError: unknown name (the message lists the registered ones) or bad parameters.
-    """
-    if not isinstance(name, str):
-        raise CodecError(f"expected str for codec `type`, got {type(name).__name__}")
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise CodecError(
-            f"unknown codec {name!r}; registered codecs: {', '.join(registered_codecs())}"
-        )
-    return cls(**params)
-
-
-def codec_from_spec(spec: dict[str, Any]) -> Codec:
-    """Instantiate a codec from ``{"type": name, **params}`` (the compression-params dict)."""
-    if not isinstance(spec, dict):
-        raise CodecError(
-            f"compression params must be a dict like {{'type': '2bit', 'threshold': 0.5}}, "
-            f"got {type(spec).__name__}"
-        )
-    if "type" not in spec:
-        raise CodecError(
-            f"compression params need a 'type' (one of {', '.join(registered_codecs())}), "
-            f"got {spec!r}"
-        )
-    params = {k: v for k, v in spec.items() if k != "type"}
-    return get_codec(spec["type"], **params)

@@ -49,7 +49,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from kvstore.codecs.base import KeyEncoder, register_codec
+from kvstore.codecs.base import KeyEncoder
 from kvstore.codecs.quantize import (
     ChunkPlace,
     QuantizerCodec,
@@ -350,7 +350,6 @@ class Cast16Codec(QuantizerCodec):
             decode_reference(self.format, codes, out, accumulate)
 
 
-@register_codec
 class Fp16Codec(Cast16Codec):
     """IEEE binary16: 11 significant bits, largest finite value 65504 (see the module
     docstring)."""
@@ -359,7 +358,6 @@ class Fp16Codec(Cast16Codec):
     format = FP16
 
 
-@register_codec
 class Bf16Codec(Cast16Codec):
     """bfloat16: float32's exponent range, 8 significant bits (see the module docstring)."""
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.base import register_codec
 from kvstore.codecs.sparse import (
     Accumulation,
     Selection,
@@ -119,7 +118,6 @@ def _optional_positive(value: Any) -> float | None:
     return value
 
 
-@register_codec
 class DGCCodec(SparseCodec):
     """Deep Gradient Compression: momentum correction, sampled top-k of the velocity, factor
     masking, optional local clipping and sparsity warm-up.

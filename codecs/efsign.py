@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore.codecs.base import register_codec
 from kvstore.codecs.onebit import (
     SignCodec,
     apply_signs_reference,
@@ -65,7 +64,6 @@ def encode_reference(
     apply_signs_reference(p, s, -s, residual, codes)
 
 
-@register_codec
 class EFSignCodec(SignCodec):
     """EF-signSGD: per chunk, the sign of ``residual + gradient`` and its mean magnitude (about
     32x smaller pushes). No parameters. See the module docstring for the exact arithmetic."""

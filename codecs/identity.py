@@ -18,7 +18,6 @@ from kvstore.codecs.base import (
     Payloads,
     PushQuality,
     frame_array,
-    register_codec,
     squared_norm,
 )
 from kvstore.codecs.xp import array_module, device_to_host, pinned_empty
@@ -74,7 +73,6 @@ class _IdentityAggregator(Aggregator):
         return None
 
 
-@register_codec
 class IdentityCodec(Codec):
     """No compression: the dense value is sent as is."""
 

@@ -60,7 +60,6 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.base import register_codec
 from kvstore.codecs.quantize import (
     ChunkPlace,
     QuantizerCodec,
@@ -241,7 +240,6 @@ class SignCodec(QuantizerCodec):
             decode_reference(codes, numel, hi, lo, out, accumulate)
 
 
-@register_codec
 class OneBitCodec(SignCodec):
     """1-bit SGD with error feedback: per chunk, the mean of the non-negative and the mean of
     the negative side of ``residual + gradient``, and one bit per element (about 32x smaller

@@ -59,7 +59,6 @@ from kvstore.codecs.base import (
     KeyEncoder,
     Payloads,
     frame_array,
-    register_codec,
 )
 from kvstore.codecs.counter_rng import stable_key_hash, stream_key, uniforms_reference
 from kvstore.codecs.finite import count_nonfinite
@@ -525,7 +524,6 @@ def _integer(name: str, value: Any, low: int, high: int | None = None) -> int:
     return value
 
 
-@register_codec
 class PowerSGDCodec(Codec):
     """PowerSGD with two round trips per step (see the module docstring)."""
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.base import Aggregator, Codec, CodecError, KeyEncoder, codec_from_spec
+from kvstore.codecs.base import Aggregator, Codec, CodecError, KeyEncoder
+from kvstore.codecs.registry import codec_from_spec
 
 PULL_CODECS = ("fp16", "bf16", "2bit", "topk", "threshold")
 """Codecs a pull can be compressed with (``none``: dense pulls)."""

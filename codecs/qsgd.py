@@ -50,7 +50,6 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.base import register_codec
 from kvstore.codecs.counter_rng import key_halves, uniforms_reference
 from kvstore.codecs.quantize import (
     LANES,
@@ -246,7 +245,6 @@ class QsgdEncoder(QuantizerEncoder):
         )
 
 
-@register_codec
 class QsgdCodec(QuantizerCodec):
     """QSGD with fixed-width codes: each element is rounded stochastically to one of
     ``levels + 1`` magnitudes of its bucket's 2-norm, unbiased; ``1 + ceil(log2(levels + 1))``

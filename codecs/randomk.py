@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.base import register_codec
 from kvstore.codecs.counter_rng import counter_hash, hash32
 from kvstore.codecs.sparse import (
     RANDOM,
@@ -96,7 +95,6 @@ def encode_reference(
     return indices, values
 
 
-@register_codec
 class RandomKCodec(SparseCodec):
     """Send ``k = max(1, ceil(ratio * n))`` residual entries per key, the same indices on
     every worker.

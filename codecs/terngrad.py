@@ -46,7 +46,6 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.base import register_codec
 from kvstore.codecs.counter_rng import key_halves, uniforms_reference
 from kvstore.codecs.quantize import (
     ChunkPlace,
@@ -202,7 +201,6 @@ class TernGradEncoder(QuantizerEncoder):
         )
 
 
-@register_codec
 class TernGradCodec(QuantizerCodec):
     """TernGrad: each element becomes ``+s``, ``-s`` or 0 with ``E = `` the (clipped) gradient;
     2 bits per element plus one float32 scale per chunk (about 16x smaller pushes).

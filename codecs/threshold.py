@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.base import positive_float32, register_codec
+from kvstore.codecs.base import positive_float32
 from kvstore.codecs.sparse import THRESHOLD, Selection, SparseCodec
 from kvstore.errors import CodecError
 
@@ -35,7 +35,6 @@ def encode_reference(
     return indices, values
 
 
-@register_codec
 class ThresholdCodec(SparseCodec):
     """Send ``(i, r[i])`` for every residual entry with ``abs(r[i]) >= threshold``.
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.base import register_codec
 from kvstore.codecs.counter_rng import counter_hash
 from kvstore.codecs.sparse import (
     TOP_K,
@@ -96,7 +95,6 @@ def top_selection(
     return Selection(TOP_K, k=k, sample=plan)
 
 
-@register_codec
 class TopKCodec(SparseCodec):
     """Send the ``k = max(1, ceil(ratio * n))`` largest residual entries of each key.
 

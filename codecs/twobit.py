@@ -83,7 +83,6 @@ from kvstore.codecs.base import (
     PushQuality,
     frame_array,
     positive_float32,
-    register_codec,
     squared_norm,
 )
 from kvstore.codecs.xp import device_to_host, is_cupy_array, pinned_empty, to_device
@@ -489,7 +488,6 @@ class _TwoBitAggregator(Aggregator):
         self._decode(words, self.numel, self.threshold, self.result, not first)
 
 
-@register_codec
 class TwoBitCodec(Codec):
     """MXNet-compatible 2-bit threshold quantization with error feedback (16x smaller pushes).
 

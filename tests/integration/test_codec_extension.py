@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from kvtest import RawClient
 
-from kvstore.codecs.base import Aggregator, Codec, frame_array, register_codec
+from kvstore.codecs import register_codec
+from kvstore.codecs.base import Aggregator, Codec, frame_array
 from kvstore.codecs.identity import _HostIdentityEncoder
 from kvstore.config import ServerConfig
 from kvstore.server import ShardServer

@@ -36,7 +36,8 @@ def _internal_imports(path: Path) -> set[str]:
 
 def _imports_of(folder: str) -> dict[str, set[str]]:
     return {
-        str(p.relative_to(REPO)): _internal_imports(p) for p in sorted((REPO / folder).glob("*.py"))
+        str(p.relative_to(REPO)): _internal_imports(p)
+        for p in sorted((REPO / folder).rglob("*.py"))
     }
 
 
@@ -73,7 +74,7 @@ def test_server_and_worker_never_import_each_other(folder, forbidden):
 
 def test_no_top_level_import_of_our_folders_by_their_bare_names():
     for folder in FOLDERS:
-        for path in (REPO / folder).glob("*.py"):
+        for path in (REPO / folder).rglob("*.py"):
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

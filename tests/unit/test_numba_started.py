@@ -28,7 +28,7 @@ def _imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("folder", ["codecs", "server", "worker", "kvstore"])
 def test_every_module_that_uses_numba_starts_it_first(folder):
-    for path in sorted((REPO / folder).glob("*.py")):
+    for path in sorted((REPO / folder).rglob("*.py")):
         if path.name == "numba_started.py":
             continue
         imports = _imports(path)
