@@ -5,10 +5,8 @@ Callers (any thread) :meth:`Transport.submit` a request and get a
 The I/O thread owns the sockets: it sends queued requests, receives replies, validates them with
 :func:`kvstore.wire.decode` and completes the matching request by id.
 
-Two lanes per server (see :mod:`kvstore.wire`): pushes and inits go on the *data* connection,
-pulls and the other small requests on the *control* connection, so a pull request never waits
-behind megabytes of pushes in one TCP stream, and a full-duplex link carries pushes and pull
-replies at the same time instead of one after the other.
+Two lanes per server (:mod:`kvstore.worker.connections`): pushes and inits go on the *data*
+connection, pulls and the other small requests on the *control* connection.
 
 Flow control: at most a window of data-lane payload, over all servers, is handed to ZeroMQ and
 not yet written to a connection (the sends' tickets say when it was); the rest waits in
@@ -20,12 +18,14 @@ servers receive at the same pace), give or take the window: TCP shares a worker'
 its connections unevenly, and what one connection gets ahead by is what another server's
 rounds wait for at the end of a step. So with ``queue_seconds`` the window is that much of the
 measured send rate (:class:`~kvstore.worker.send_window.SendWindow`), and the kernel
-keeps at most :data:`NOTSENT_LOWAT` unsent bytes per data connection to another host
-(``TCP_NOTSENT_LOWAT``), so "written to a connection" means close to on the wire.
+keeps at most :data:`~kvstore.worker.connections.NOTSENT_LOWAT` unsent bytes per data
+connection to another host (``TCP_NOTSENT_LOWAT``), so "written to a connection" means close to
+on the wire.
 
 A server's data lane also holds back bulk pushes while ``lead_chunks`` of its pushes are
-unanswered, so a worker whose TCP flows are faster does not run ahead of the others that a
-synchronous round waits for. Control-lane messages are never held back.
+unanswered (:mod:`kvstore.worker.push_lead`), so a worker whose TCP flows are faster does not
+run ahead of the others that a synchronous round waits for. Control-lane messages are never
+held back.
 
 Payload buffers are sent without copies (:class:`~kvstore.zerocopy.ZeroCopySender`). The caller
 keeps them alive and unchanged until the request completes (the encoders do: a chunk is not
@@ -34,11 +34,10 @@ re-encoded before its previous push was answered).
 A TCP server that closes its connection (it died, or was stopped) fails every request pending on
 it with :class:`~kvstore.errors.ServerLostError` (a ``ConnectionLostError``), and later requests
 to it fail at once, so a dead server never leaves a worker hanging. So does a server that sent
-nothing for the heartbeat timeout (it stalled, or its host or network went away): the I/O
-thread pings every server that took this worker (a ``PING`` on its control connection, outside
-the send queues) as often as this worker's timeout and the server's own need
-(:mod:`kvstore.heartbeat`); any message received counts as a sign of life, so the hot path
-pays one clock read per batch of replies.
+nothing for the heartbeat timeout (:mod:`kvstore.worker.heartbeats`).
+
+A value reply may also acknowledge earlier push requests of this worker (``ak``): they
+complete with it, without a reply of their own.
 
 With ``metrics`` (:class:`~kvstore.metrics.WorkerMetrics`) the I/O thread counts every request
 it hands to ZeroMQ, every reply and every ERROR reply; :meth:`Transport.queue_depths` is read
@@ -47,37 +46,33 @@ when the metrics are scraped.
 
 from __future__ import annotations
 
-import collections
-import ipaddress
 import itertools
 import logging
 import os
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from kvstore import auth, wire
-from kvstore.config import CurveKeys, heartbeat_interval
+from kvstore import wire
+from kvstore.config import CurveKeys
 from kvstore.errors import (
     AuthenticationError,
     ConnectionLostError,
     KVStoreError,
     ProtocolError,
     ServerLostError,
-    WorkerLostError,
     error_from_code,
 )
-from kvstore.heartbeat import Liveness
 from kvstore.metrics import WorkerMetrics, frames_nbytes
-from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op
+from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op, ReplyFields
+from kvstore.worker.connections import Connections, head_order
+from kvstore.worker.heartbeats import Heartbeats
+from kvstore.worker.push_lead import LEAD_CHUNKS, LEAD_OPS
 from kvstore.worker.request import Request
-from kvstore.worker.send_queue import SendQueue
 from kvstore.worker.send_window import SendWindow
 from kvstore.zerocopy import ZeroCopySender
 
@@ -86,113 +81,26 @@ EXPRESS_BYTES = 64 * 1024
 
 DEFAULT_WINDOW_BYTES = 8 * 1024 * 1024
 
-NOTSENT_LOWAT = 128 * 1024
-"""Unsent bytes the kernel may hold per data connection to another host (with a send queue in
-time): about 1 ms at 1 Gbit/s, enough to keep the link busy between the I/O thread's turns."""
-
 logger = logging.getLogger(__name__)
 
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
-_socket_get = zmq.backend.Socket.get
+_socket_get = cast(Callable[[zmq.Socket, int], int], zmq.backend.Socket.get)
 """libzmq's getsockopt as pyzmq's backend has it: the ``zmq.Socket`` method of the same name
 turns ZMQ_EVENTS into an enum, which costs half as much again as the option itself."""
 
 
-_ACKNOWLEDGED = Message(op=Op.REPLY, rid=0, fields={}, payloads=[])
+_ACKNOWLEDGED = Message(op=Op.REPLY, rid=0, body=ReplyFields(), fields={}, payloads=[])
 """What a push request holds when a later pull's reply acknowledged it (``ak``)."""
 
 _DATA_OPS = frozenset({Op.PUSH, Op.PUSHPULL, Op.INIT})
-_LEAD_OPS = frozenset({Op.PUSH, Op.PUSHPULL})
-
-LEAD_CHUNKS = 3
-"""Bulk pushes a data lane may have sent and not yet answered (see ``_Lane.lead_blocked``);
-the client picks its limit with :func:`kvstore.config.default_push_lead`."""
 
 IDLE_WAIT_MS = 1000
 """How long the I/O thread sleeps when nothing is due; input and submits wake it at once."""
 
 LEAD_PATIENCE_S = 0.5
-"""How long a lane waits for an answer before its lead limit lapses (see ``lead_blocked``)."""
-
-
-class _Lane:
-    """One connection to one server: its socket, send queue and data in flight."""
-
-    def __init__(self, server: int, lane: int, sock: zmq.Socket, windowed: bool) -> None:
-        self.server = server
-        self.lane = lane
-        self.sock = sock
-        self.windowed = windowed
-        self.queue = SendQueue()  # of (frames, request, bulk bytes)
-        self.in_flight: collections.deque[tuple[Any, int]] = collections.deque()
-        # Lead limit: bulk pushes sent on this lane and not yet answered (their round is not
-        # applied), and when one last was.
-        self.unanswered: collections.deque[Request] = collections.deque()
-        self.last_answer = 0.0
-
-    def lead_blocked(self, limit: int, now: float, patience: float) -> bool:
-        """True while ``limit`` bulk pushes sent on this lane are not yet answered.
-
-        A synchronous round completes only when every worker's push of its chunk arrived, so a
-        worker whose TCP flows happen to be faster than others' gains nothing by running ahead:
-        it only takes link share from the workers the round waits for. Holding the lead to a
-        few chunks keeps the workers in step. The limit lapses when nothing was answered for
-        ``patience`` seconds, so workers that push in different orders cannot deadlock.
-        """
-        unanswered = self.unanswered
-        if len(unanswered) < limit:
-            return False
-        for request in unanswered:  # (a few requests; asked for every message the lane holds)
-            if request._done:
-                unanswered = collections.deque(r for r in unanswered if not r._done)
-                self.unanswered = unanswered
-                self.last_answer = now
-                break
-        return len(unanswered) >= limit and now - self.last_answer < patience
-
-
-def _head_order(lane: _Lane) -> tuple[int, int]:
-    """Sort key of the next message of a lane with one queued (smaller goes first)."""
-    return lane.queue.heads[0].order
-
-
-def _crosses_a_link(peer: str, own: str) -> bool:
-    """Whether a connection from address ``own`` to ``peer`` leaves the host."""
-    return peer != own and not ipaddress.ip_address(peer).is_loopback
-
-
-def _limit_unsent(fd: int) -> None:
-    """Let the kernel hold at most :data:`NOTSENT_LOWAT` unsent bytes on TCP connection ``fd``
-    if it goes to another host.
-
-    ZeroMQ then writes a message into the connection only as the link takes it, and the
-    transport's window, not the kernel's send buffer (megabytes, per connection), decides which
-    server's pushes go next. Connections within a host (loopback, or a server on the worker's
-    own address) share no link and are left alone: there the limit only costs wake-ups.
-    ``fd`` is ZeroMQ's, reported by its monitor; it is borrowed, never closed. Anything
-    unexpected (the connection closed meanwhile, no such option on this system) leaves the
-    connection as it was; should ZeroMQ have closed it and the number been reused by another
-    TCP connection to another host before the event is read, that one gets the limit, which
-    only delays its writes into the kernel.
-    """
-    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-    if option is None:
-        return
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return
-        if not _crosses_a_link(sock.getpeername()[0], sock.getsockname()[0]):
-            return
-        sock.setsockopt(socket.IPPROTO_TCP, option, NOTSENT_LOWAT)
-    except (OSError, ValueError):
-        pass
-    finally:
-        sock.detach()
+"""How long a lane waits for an answer before its lead limit lapses
+(:meth:`~kvstore.worker.push_lead.PushLead.blocked`)."""
 
 
 class Transport:
@@ -238,21 +146,6 @@ class Transport:
         heartbeat_timeout: float = 0.0,
     ) -> None:
         self.servers = tuple(servers)
-        # Heartbeats (see _heartbeat): when each server was last heard from (None: servers are
-        # never declared lost here), how often to ping (None: never; the shortest interval of
-        # ours and the servers'), the servers to ping (those that answered a HELLO), when the
-        # next pings are due, and each server's last ping.
-        self._liveness: Liveness | None = None
-        self._heard: dict[Any, float] | None = None
-        self._ping_every: float | None = None
-        if heartbeat_timeout > 0:
-            self._ping_every = heartbeat_interval(heartbeat_timeout)
-            self._liveness = Liveness(heartbeat_timeout, self._ping_every)
-            self._heard = self._liveness.heard
-        self._ping_targets: set[int] = set()
-        self._beat_due = 0.0
-        self._pings: dict[int, Request] = {}
-        self._curve = curve
         self._metrics = metrics
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
@@ -265,9 +158,9 @@ class Transport:
         self._seq = itertools.count()  # one submission order across all queues
         self._pending: dict[int, Request] = {}
         self._lost: dict[int, str] = {}
-        self._refused: set[int] = set()  # lost servers that refused the handshake (credentials)
-        self._vague_failures: dict[tuple[int, int], int] = {}  # handshakes failed without detail
-        self._connected: set[tuple[int, int]] = set()
+        self._heartbeats = Heartbeats(
+            heartbeat_timeout, self.servers, self._lost, self._send_ping, self._server_lost
+        )
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -275,32 +168,19 @@ class Transport:
         self._wake_pending = False
         self._sender = ZeroCopySender()  # used by the I/O thread only
         self._sent_on: set[zmq.Socket] = set()  # sockets the I/O thread sent on since it read them
-        self._lanes: list[tuple[_Lane, _Lane]] = []
-        self._by_socket: dict[zmq.Socket, _Lane] = {}
-        self._monitors: dict[zmq.Socket, _Lane] = {}
-        for rank, address in enumerate(self.servers):
-            pair = []
-            for lane, suffix in ((LANE_DATA, b"/d"), (LANE_CONTROL, b"/c")):
-                sock = self._context.socket(zmq.DEALER)
-                sock.setsockopt(zmq.ROUTING_ID, identity + suffix)
-                sock.setsockopt(zmq.SNDHWM, 0)
-                sock.setsockopt(zmq.RCVHWM, 0)
-                sock.setsockopt(zmq.LINGER, 0)
-                if tos:
-                    sock.setsockopt(zmq.TOS, tos)  # before connect: applies to the connection
-                if curve is not None and not address.startswith("inproc://"):
-                    auth.secure_client(sock, curve)  # (in-process: no handshake to secure)
-                entry = _Lane(rank, lane, sock, windowed=lane == LANE_DATA)
-                if address.startswith("tcp://"):
-                    events = (
-                        zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | auth.HANDSHAKE_FAILED_EVENTS
-                    )
-                    self._monitors[sock.get_monitor_socket(events)] = entry
-                sock.connect(address)
-                self._by_socket[sock] = entry
-                pair.append(entry)
-            self._lanes.append((pair[0], pair[1]))
-        self._all_lanes = [lane for pair in self._lanes for lane in pair]
+        self._connections = Connections(
+            self._context,
+            self.servers,
+            identity,
+            tos=tos,
+            curve=curve,
+            limit_unsent=bool(queue_seconds),
+            lost=self._lost,
+            server_lost=self._server_lost,
+        )
+        self._lanes = self._connections.pairs
+        self._by_socket = self._connections.by_socket
+        self._all_lanes = self._connections.all
         self._thread = threading.Thread(target=self._run, name="kvstore-io", daemon=True)
         self._thread.start()
 
@@ -386,10 +266,7 @@ class Transport:
             self._closing = True
             self._wake()
         self._thread.join()
-        for monitor in self._monitors:
-            monitor.close(0)
-        for sock in self._by_socket:
-            sock.close(0)
+        self._connections.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self._own_context:
@@ -418,8 +295,10 @@ class Transport:
         """
         poller = select.poll()
         by_fd: dict[int, zmq.Socket] = {}
-        for sock in (*self._by_socket, *self._monitors):
-            fd = sock.getsockopt(zmq.FD)
+        monitors = self._connections.monitors
+        heartbeats = self._heartbeats
+        for sock in (*self._by_socket, *monitors):
+            fd = cast(int, sock.getsockopt(zmq.FD))
             by_fd[fd] = sock
             poller.register(fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
@@ -428,15 +307,14 @@ class Transport:
         try:
             while True:
                 for sock in to_read:
-                    lane = self._monitors.get(sock)
-                    if lane is None:
-                        self._receive_all(sock)
+                    if sock in monitors:
+                        self._connections.on_monitor(sock)
                     else:
-                        self._on_monitor(sock, lane)
+                        self._receive_all(sock)
                 to_read.clear()
                 wait_ms = self._flush()
-                if self._ping_every is not None:
-                    wait_ms = min(wait_ms, self._heartbeat())
+                if heartbeats.every is not None:
+                    wait_ms = min(wait_ms, heartbeats.beat())
                 with self._lock:
                     if self._closing:
                         return
@@ -486,7 +364,7 @@ class Transport:
                 if not ready:
                     return IDLE_WAIT_MS
                 # The best message goes first; one that must wait lets the next best go.
-                ready.sort(key=_head_order)
+                ready.sort(key=head_order)
                 wait_ms = IDLE_WAIT_MS
                 window_full = False
                 chosen = None
@@ -503,8 +381,8 @@ class Transport:
                         window_full = self._window_full = True
                         refill_ms = self._window.refill_wait_seconds() * 1000
                         wait_ms = min(wait_ms, max(1, int(refill_ms)))
-                    elif self._lead and lane.lead_blocked(self._lead, now, LEAD_PATIENCE_S):
-                        lapse = LEAD_PATIENCE_S - (now - lane.last_answer)
+                    elif self._lead and lane.lead.blocked(self._lead, now, LEAD_PATIENCE_S):
+                        lapse = LEAD_PATIENCE_S - (now - lane.lead.last_answer)
                         wait_ms = min(wait_ms, max(1, int(lapse * 1000) + 1))
                     else:
                         chosen = lane
@@ -531,10 +409,8 @@ class Transport:
                 self._in_flight_bytes += bulk
                 # Only a lead limit reads (and prunes) the unanswered pushes: without one,
                 # keeping them would keep every push of the job alive.
-                if self._lead and request.op in _LEAD_OPS:
-                    if not lane.unanswered:
-                        lane.last_answer = now
-                    lane.unanswered.append(request)
+                if self._lead and request.op in LEAD_OPS:
+                    lane.lead.sent(request, now)
 
     def _receive_all(self, sock: zmq.Socket) -> bool:
         """Take every reply waiting on ``sock``; returns whether there was any.
@@ -548,7 +424,7 @@ class Transport:
         while _socket_get(sock, _EVENTS) & _POLLIN:
             self._on_reply(wire.recv_frames(sock))
             received = True
-        heard = self._heard
+        heard = self._heartbeats.heard
         if received and heard is not None:  # a sign of life (heartbeats), once per batch
             server = self._by_socket[sock].server
             if server not in self._lost:  # (a lost server stays lost)
@@ -591,57 +467,18 @@ class Transport:
             where = f"server {request.server} ({self.servers[request.server]})"
             error = error_from_code(msg["code"], msg["msg"], where, msg.get("lr"))
             request._complete(None, error)
-            if request.op is Op.PING:
-                self._ping_refused(request, error)
+            if request.op is Op.PING and self._heartbeats.ping_refused(request, error):
+                self._fail_server(request.server, error)
         elif msg.op is Op.REPLY:
             if request.op is Op.HELLO:
-                self._on_hello_reply(request.server, msg)
+                self._heartbeats.on_hello_reply(request.server, msg)
             request._complete(msg, None)
         else:
             request._complete(None, ProtocolError(f"unexpected {msg.op.name} as a reply"))
 
-    def _on_monitor(self, monitor: zmq.Socket, lane: _Lane) -> None:
-        rank = lane.server
-        while True:
-            try:
-                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_CONNECTED:
-                self._connected.add((rank, lane.lane))
-                if self._window.queue_seconds and lane.lane == LANE_DATA:  # a send queue in time
-                    _limit_unsent(event["value"])
-            elif event["event"] & auth.HANDSHAKE_FAILED_EVENTS:
-                self._on_handshake_failed(rank, lane, event["event"], event["value"])
-            elif event["event"] == zmq.EVENT_DISCONNECTED and (rank, lane.lane) in self._connected:
-                self._server_lost(
-                    rank,
-                    f"server {rank} ({self.servers[rank]}) closed the connection "
-                    f"(it stopped or died)",
-                )
-
-    def _on_handshake_failed(self, rank: int, lane: _Lane, event: int, value: int) -> None:
-        """A connection to server ``rank`` failed its handshake: wrong CURVE keys, or keys on
-        one side only. Nothing will ever get through (libzmq retries, to the same end), so every
-        request to the server fails now, and every later one at once."""
-        self._connected.discard((rank, lane.lane))  # its disconnection is not a server's loss
-        if rank in self._lost:
-            return
-        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            # Also what a server that dies during a handshake causes, once (its port refuses
-            # the retry); wrong keys fail every retry, 0.1 s apart.
-            failures = self._vague_failures.get((rank, lane.lane), 0) + 1
-            self._vague_failures[(rank, lane.lane)] = failures
-            if failures < 2:
-                return
-        where = f"server {rank} ({self.servers[rank]})"
-        reason = auth.describe_handshake_failure(event, value, where, self._curve is not None)
-        self._refused.add(rank)  # first: its requests fail with AuthenticationError
-        self._server_lost(rank, reason)
-
     def _lost_error(self, server: int, what: str, reason: str) -> KVStoreError:
         """The error of a request ``what`` to a lost server (``reason``: why it is lost)."""
-        if server in self._refused:
+        if server in self._connections.refused:
             return AuthenticationError(f"{what}: {reason}")
         return ServerLostError(f"{what}: {reason}", server, self.servers[server])
 
@@ -655,81 +492,35 @@ class Transport:
                 del self._pending[request.rid]
         if first:
             logger.error("%s", reason)
-        if self._liveness is not None:
-            self._liveness.heard.pop(server, None)
+        self._heartbeats.forget(server)
         for request in failed:
             request._complete(None, self._lost_error(server, request.what, reason))
 
-    # heartbeats ------------------------------------------------------------------------------
+    def _send_ping(self, server: int) -> Request | None:
+        """Send a PING to ``server`` on its control lane now (I/O thread): no queue, no window.
 
-    def _heartbeat(self) -> int:
-        """Ping the servers and declare lost those silent for too long, when due (I/O thread).
-
-        Returns the milliseconds until the next time this is due. Every server that answered
-        a HELLO is pinged every ``_ping_every`` seconds on its control connection, unless its
-        last ping is still unanswered; any message from a server counts as a sign of life.
-        """
-        every = self._ping_every
-        assert every is not None
-        now = time.monotonic()
-        if now < self._beat_due:
-            return int((self._beat_due - now) * 1000) + 1
-        self._beat_due = now + every
-        liveness = self._liveness
-        if liveness is not None:
-            for server in liveness.overdue(now):
-                self._server_lost(
-                    server,
-                    f"server {server} ({self.servers[server]}) sent nothing for "
-                    f"{liveness.silence(server, now):.1f} s (KVSTORE_HEARTBEAT_TIMEOUT="
-                    f"{liveness.timeout:g}): it died, stalled or the network is down",
-                )
-        for server in list(self._ping_targets):
-            ping = self._pings.get(server)
-            if (ping is None or ping._done) and server not in self._lost:
-                self._send_ping(server)
-        return int(every * 1000) + 1
-
-    def _on_hello_reply(self, server: int, msg: Message) -> None:
-        """A server took this worker: ping it from now on, often enough for its heartbeat
-        timeout (``hb``) as well as ours (I/O thread)."""
-        self._ping_targets.add(server)
-        server_timeout = msg.get("hb", 0) / 1000
-        if server_timeout > 0:
-            every = heartbeat_interval(server_timeout)
-            if self._ping_every is None or every < self._ping_every:
-                self._ping_every = every
-
-    def _send_ping(self, server: int) -> None:
-        """Send a PING to ``server`` on its control lane now (I/O thread): no queue, no window."""
+        Returns the request, or None where it could not go (the server is lost)."""
         rid = next(self._ids)
         frames = wire.encode(Op.PING, rid)
         request = Request(rid, server, Op.PING, f"heartbeat to server {server}", len(frames[0]))
         lane = self._lanes[server][LANE_CONTROL]
         with self._lock:
             if server in self._lost:
-                return
+                return None
             self._pending[rid] = request
         self._sent_on.add(lane.sock)
         try:
             lane.sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._fail(request, self._lost_error(server, request.what, f"send failed: {exc}"))
-            return
-        self._pings[server] = request
+            return None
+        return request
 
-    def _ping_refused(self, request: Request, error: KVStoreError) -> None:
-        """A server answered a PING with an error: if this worker was declared lost (it stalled
-        for longer than the timeout), its requests there will never be answered, so they fail
-        now; later ones are refused by the server itself."""
-        if not isinstance(error, WorkerLostError):
-            # (e.g. a ping that crossed this worker's goodbye)
-            logger.debug("%s: %s", request.what, error)
-            return
-        logger.error("%s: %s", request.what, error)
-        self._ping_targets.discard(request.server)  # (it will not serve this worker again)
+    def _fail_server(self, server: int, error: KVStoreError) -> None:
+        """Fail every request pending on ``server`` with ``error`` (later ones are sent, and
+        refused by the server itself)."""
         with self._lock:
-            failed = [r for r in self._pending.values() if r.server == request.server]
+            failed = [r for r in self._pending.values() if r.server == server]
             for other in failed:
                 del self._pending[other.rid]
         for other in failed:

@@ -8,6 +8,7 @@ import socket
 
 import pytest
 
+from kvstore.worker.connections import _crosses_a_link, _limit_unsent
 from kvstore.worker.send_window import (
     MAX_REFILL_WAIT_S,
     MIN_REFILL_WAIT_S,
@@ -15,7 +16,6 @@ from kvstore.worker.send_window import (
     REFILL_FRACTION,
     SendWindow,
 )
-from kvstore.worker.transport import _crosses_a_link, _limit_unsent
 
 MB = 1_000_000
 
