@@ -90,11 +90,11 @@ from kvstore.optimizer_spec import make_optimizer_spec
 from kvstore.server import checkpointing
 from kvstore.server.chunk import ChunkSpec, ChunkState, Deferred, PendingReply, PullWaiter
 from kvstore.server.errors import RequestError
-from kvstore.server.job import LANES, CheckpointCall, Job, ServerState
+from kvstore.server.job import CheckpointCall, Job, ServerState
+from kvstore.server.membership import Membership
 from kvstore.server.optimizers import make_optimizer
 from kvstore.server.replies import Replies, peer
 from kvstore.server.work import WorkRunner
-from kvstore.topology import max_payload_bytes
 from kvstore.wire import Message, Op
 
 logger = logging.getLogger(__name__)
@@ -113,9 +113,6 @@ frame: about 65 MiB with the default limit), instead of everything a peer cares 
 (with no limit, a few strangers sending large frames could make a server hold gigabytes).
 The server drains its socket whenever it is readable, so a legitimate worker's pushes wait here
 only while the server is busy, and 16 chunks are more work than one drain does."""
-
-MAX_RELEASED = 1024
-"""Sessions of lost workers remembered (to tell one that wakes up why it is not served)."""
 
 
 class ShardServer:
@@ -148,11 +145,7 @@ class ShardServer:
         self._replies = Replies(self._state, after_send=self._schedule_drain)
         self._work = WorkRunner(config.threads, f"kvstore-server{config.server_rank}")
         self._heard = self._state.heard
-        # Heartbeats: the check's timer, and the sessions released because their worker was
-        # lost (identity -> rank), newest last, so that a stalled worker that wakes up is told
-        # why it is no longer served.
-        self._beat_timer: asyncio.TimerHandle | None = None
-        self._released: dict[bytes, int] = {}
+        self._membership = Membership(self._state, self._replies, self._fail_waiting)
         self._handlers: dict[Op, Callable[[bytes, int, Message], None]] = {
             Op.INIT: self._on_init,
             Op.PUSH: self._on_push,
@@ -160,10 +153,10 @@ class ShardServer:
             Op.PULL: self._on_pull,
             Op.BARRIER: self._on_barrier,
             Op.SET_OPTIMIZER: self._on_set_optimizer,
-            Op.BYE: self._on_bye,
+            Op.BYE: self._membership.on_bye,
             Op.SAVE: self._on_checkpoint,
             Op.LOAD: self._on_checkpoint,
-            Op.PING: self._on_ping,
+            Op.PING: self._membership.on_ping,
         }
 
     # lifecycle -------------------------------------------------------------------------------
@@ -218,10 +211,7 @@ class ShardServer:
         self._fd = sock.getsockopt(zmq.FD)
         self._loop.add_reader(self._fd, self._drain)
         self._schedule_drain()  # messages may have arrived before the reader was added
-        if self._state.liveness is not None:
-            self._beat_timer = self._loop.call_later(
-                self._state.liveness.period, self._check_workers
-            )
+        self._membership.start(self._loop)
         logger.info(
             "server %d/%d serving %d worker(s) on %s with %d thread(s)",
             cfg.server_rank,
@@ -247,9 +237,7 @@ class ShardServer:
 
     async def stop(self) -> None:
         """Stop serving, close the socket and the thread pool."""
-        if self._beat_timer is not None:
-            self._beat_timer.cancel()
-            self._beat_timer = None
+        self._membership.stop()
         if self._fd is not None and self._loop is not None:
             self._loop.remove_reader(self._fd)
             self._fd = None
@@ -351,14 +339,14 @@ class ShardServer:
             self._state.metrics.received(msg.op, frames_nbytes(frames))
         try:
             if msg.op is Op.HELLO:
-                self._on_hello(identity, msg)
+                self._membership.on_hello(identity, msg)
                 return
             handler = self._handlers.get(msg.op)
             if handler is None:
                 raise RequestError(ErrorCode.BAD_MESSAGE, f"{msg.op.name} is not a request")
             rank = self._state.job.sessions.get(identity)
             if rank is None:
-                self._refuse_stranger(identity, msg)
+                self._membership.refuse_stranger(identity, msg)
             heard = self._heard
             if heard is not None:
                 heard[rank] = self._state.heard_at
@@ -378,177 +366,11 @@ class ShardServer:
                 identity, msg.rid, msg.op, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
             )
 
-    # sessions ---------------------------------------------------------------------------------
-
-    def _on_hello(self, identity: bytes, msg: Message) -> None:
-        cfg, job = self.config, self._state.job
-        rank, mode = msg["r"], msg["m"]
-        if msg["nw"] != cfg.num_workers:
-            raise RequestError(
-                ErrorCode.CLUSTER_MISMATCH,
-                f"server {cfg.server_rank} serves {cfg.num_workers} worker(s) "
-                f"(--num-workers {cfg.num_workers}) but this worker says there are {msg['nw']} "
-                f"(KVSTORE_NUM_WORKERS)",
-            )
-        if msg["ns"] != cfg.num_servers:
-            raise RequestError(
-                ErrorCode.CLUSTER_MISMATCH,
-                f"the worker lists {msg['ns']} server(s) (KVSTORE_SERVERS) but server "
-                f"{cfg.server_rank} was started with --num-servers {cfg.num_servers}",
-            )
-        if msg["si"] != cfg.server_rank:
-            raise RequestError(
-                ErrorCode.WRONG_SERVER,
-                f"the worker lists this address as server {msg['si']} but it is server "
-                f"{cfg.server_rank}: KVSTORE_SERVERS must list the servers in rank order",
-            )
-        self._check_partition(msg.get("pb"))
-        if rank >= cfg.num_workers:
-            raise RequestError(
-                ErrorCode.CLUSTER_MISMATCH, f"rank {rank} is out of range 0..{cfg.num_workers - 1}"
-            )
-        if mode == "local" and cfg.num_workers != 1:
-            raise RequestError(
-                ErrorCode.MODE_MISMATCH, "the local mode needs a server for exactly one worker"
-            )
-        if job.mode is not None and mode != job.mode:
-            ranks = sorted({r for r, _ in job.ranks})
-            raise RequestError(
-                ErrorCode.MODE_MISMATCH,
-                f"worker rank {rank} created a {mode!r} store but rank(s) {ranks} created "
-                f"{job.mode!r}: every worker of a job must use the same mode",
-            )
-        lane = msg["ln"]
-        holder = job.ranks.get((rank, lane))
-        if holder is not None and holder != identity:
-            released = (
-                f"; if that worker died, its rank is released after "
-                f"{cfg.heartbeat_timeout:g} s without a message from it (KVSTORE_HEARTBEAT_TIMEOUT)"
-                if self._state.liveness is not None
-                else ""
-            )
-            raise RequestError(
-                ErrorCode.DUPLICATE_RANK,
-                f"rank {rank} is already connected from another worker ({peer(holder)}); "
-                f"every worker needs its own KVSTORE_RANK{released}",
-            )
-        job.mode = mode
-        job.sessions[identity] = rank
-        job.lanes[identity] = lane
-        job.ranks[(rank, lane)] = identity
-        if self._heard is not None:
-            self._heard[rank] = self._state.heard_at
-        if job.lost.pop(rank, None) is not None:
-            job.rejoined.add(rank)
-            logger.warning("worker rank %d rejoined the job (%s)", rank, peer(identity))
-        logger.debug("worker rank %d connected (%s, %s)", rank, peer(identity), mode)
-        fields = {"sr": cfg.server_rank}
-        if self._state.liveness is not None:  # (the worker pings often enough for it)
-            fields["hb"] = round(cfg.heartbeat_timeout * 1000)
-        self._replies.send(identity, wire.reply(msg.rid, fields), Op.HELLO)
-
-    def _check_partition(self, partition_bytes: int | None) -> None:
-        """Refuse a worker whose largest message could exceed this server's limit (ZeroMQ
-        would drop its connection mid-job, before the server could say why)."""
-        limit = self._state.max_message
-        if limit is None or partition_bytes is None:
-            return
-        largest = max_payload_bytes(partition_bytes)
-        if largest > limit:
-            raise RequestError(
-                ErrorCode.MESSAGE_LIMIT,
-                f"this worker's chunks take up to {largest} bytes (KVSTORE_PARTITION_BYTES="
-                f"{partition_bytes}) but server {self.config.server_rank} accepts messages of at "
-                f"most {limit} bytes: give the servers the workers' KVSTORE_PARTITION_BYTES "
-                f"(kvstore-launch passes it on), or raise KVSTORE_MAX_MESSAGE_BYTES "
-                f"(kvstore-server --max-message-bytes)",
-            )
-
-    def _on_bye(self, identity: bytes, rank: int, msg: Message) -> None:
-        job = self._state.job
-        job.sessions.pop(identity, None)
-        job.ranks.pop((rank, job.lanes.pop(identity, 0)), None)
-        if self._heard is not None and not any((rank, ln) in job.ranks for ln in LANES):
-            self._heard.pop(rank, None)  # it left: nothing to watch
-        self._replies.send(identity, wire.reply(msg.rid), Op.BYE)
-        logger.debug("worker rank %d left", rank)
-        if not job.sessions:
-            logger.debug("all workers left; the server is ready for a new job")
-            self._state.reset_job()
-
-    def _on_ping(self, identity: bytes, rank: int, msg: Message) -> None:
-        # Being handled was the point (the rank's last-heard time is now); the reply tells the
-        # worker that this server lives.
-        self._replies.send(identity, wire.reply(msg.rid), Op.PING)
-
     # lost workers ------------------------------------------------------------------------------
-    #
-    # A worker that sent nothing (no request, no PING) for config.heartbeat_timeout seconds is
-    # declared lost: its sessions are released, so that a replacement with its rank can say
-    # HELLO and rejoin the job, and every request that waits on it fails with WORKER_LOST
-    # naming it, at once and until a replacement rejoins: barriers, set_optimizer, inits
-    # waiting for rank 0's value, and in dist_sync the pushes and pulls of every chunk whose
-    # round lacks its push. Those pushes stay in their round (their sum is not undone), so
-    # the replacement's first push of the chunk completes it; a lost worker's push that is in
-    # a round stays there, and its pushes not yet in one are dropped. Nothing waits on other
-    # workers in dist_async but the collectives.
 
-    def _check_workers(self) -> None:
-        """Declare lost the ranks that have been silent for too long (a timer callback)."""
-        liveness = self._state.liveness
-        assert liveness is not None and self._loop is not None
-        self._beat_timer = self._loop.call_later(liveness.period, self._check_workers)
-        now = time.monotonic()
-        for rank in liveness.overdue(now):
-            if rank not in liveness.heard:  # (the job was forgotten meanwhile)
-                continue
-            silence = liveness.silence(rank, now)
-            self._declare_lost(
-                rank,
-                f"nothing heard from it for {silence:.1f} s (KVSTORE_HEARTBEAT_TIMEOUT="
-                f"{self.config.heartbeat_timeout:g}): it died, stalled or lost its network",
-            )
-
-    def _refuse_stranger(self, identity: bytes, msg: Message) -> None:
-        """Raise the error for a request from a connection without a session."""
-        rank = self._released.get(identity)
-        if rank is not None:
-            raise RequestError(
-                ErrorCode.WORKER_LOST,
-                f"worker rank {rank} (this worker) was declared lost by server "
-                f"{self.config.server_rank} after it sent nothing for "
-                f"{self.config.heartbeat_timeout:g} s (KVSTORE_HEARTBEAT_TIMEOUT), and its "
-                f"rank was released; restart the worker to rejoin the job",
-                rank,
-            )
-        raise RequestError(
-            ErrorCode.NOT_CONNECTED,
-            f"{msg.op.name} from a worker that has not said HELLO to this server",
-        )
-
-    def _declare_lost(self, rank: int, reason: str) -> None:
+    def _fail_waiting(self, rank: int) -> None:
+        """Fail the requests that wait on the lost worker ``rank``."""
         job = self._state.job
-        identities = [identity for identity, r in job.sessions.items() if r == rank]
-        for identity in identities:
-            del job.sessions[identity]
-            job.lanes.pop(identity, None)
-            self._released[identity] = rank
-        while len(self._released) > MAX_RELEASED:
-            del self._released[next(iter(self._released))]
-        for lane in LANES:
-            job.ranks.pop((rank, lane), None)
-        if self._heard is not None:
-            self._heard.pop(rank, None)
-        job.rejoined.discard(rank)
-        job.lost[rank] = reason
-        logger.error("worker rank %d is lost: %s", rank, reason)
-        if not job.sessions:
-            logger.warning(
-                "no worker of the job is left; the server forgets the job and is ready for a "
-                "new one"
-            )
-            self._state.reset_job()
-            return
         # The collectives wait for every rank (the lost one's own entry is told too: a
         # stalled worker reads it when it wakes up).
         barrier, job.barrier = job.barrier, {}
