@@ -232,7 +232,7 @@ def test_the_cupy_clipped_encode_matches_the_reference(threshold):
     from kvtest import require_cupy
 
     cupy = require_cupy()
-    from kvstore.codecs import _twobit_cuda_ext
+    from kvstore.codecs.twobit import cuda_variant_kernels
 
     rng = np.random.default_rng(5)
     for n in [1, 15, 16, 17, 33, 1000, 4097, 65_537, 1_000_003]:
@@ -250,7 +250,7 @@ def test_the_cupy_clipped_encode_matches_the_reference(threshold):
                 assert gpu.get().tobytes() == cpu.tobytes(), (n, offset, kind)
                 assert _same_floats(r_gpu.get(), r_cpu), (n, offset, kind)
             bound = np.float32(threshold)
-            assert _twobit_cuda_ext.count_at_least(r_gpu, bound) == (
+            assert cuda_variant_kernels.count_at_least(r_gpu, bound) == (
                 twobit.count_at_least_reference(r_cpu, bound)
             )
 

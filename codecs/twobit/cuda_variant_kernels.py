@@ -3,7 +3,7 @@
 Same contract, bytes and residuals as :func:`kvstore.codecs.twobit.encode_clipped_reference` and
 the numba ``encode_clipped``: the MXNet quantization of ``residual + grad``, then the kept
 residual clipped to ``[-limit, limit]`` with selects (a NaN stays NaN, +-inf becomes +-limit).
-The MXNet-exact kernels stay in :mod:`kvstore.codecs._twobit_cuda`; this module only adds.
+The MXNet-exact kernels stay in :mod:`kvstore.codecs.twobit.cuda_kernels`; this module only adds.
 
 Layout of the work, as there: with 16-byte aligned arrays each thread owns one code byte (four
 elements, loaded and stored as ``float4``) and writes it, padding bytes included (code 00);

@@ -29,10 +29,10 @@ Worked example (t = 0.5, zero residual)::
 
 Implementations with one contract (identical bytes and residual bits on any input, tested
 against a per-element oracle): :func:`encode_reference` / :func:`decode_reference` (vectorised
-numpy), the compiled CPU kernels in ``_twobit_numba`` (the default; ``KVSTORE_CPU_KERNELS=numpy``
-selects the reference) and the CuPy kernels in ``_twobit_cuda`` for GPU arrays. The
+numpy), the compiled CPU kernels in ``numba_kernels`` (the default; ``KVSTORE_CPU_KERNELS=numpy``
+selects the reference) and the CuPy kernels in ``cuda_kernels`` for GPU arrays. The
 ``residual_clip`` variant below has the same three: :func:`encode_clipped_reference`,
-``_twobit_numba.encode_clipped`` and ``_twobit_cuda_ext.encode_clipped``.
+``numba_kernels.encode_clipped`` and ``cuda_variant_kernels.encode_clipped``.
 
 **Bounded residual (opt-in; not MXNet).** With ``residual_clip = c`` (a number >= 1, in
 thresholds) each element's residual is clipped to ``[-c*t, c*t]`` (float32 ``limit = c*t``)
@@ -186,9 +186,9 @@ def cpu_kernels(name: str | None = None) -> tuple[EncodeFn, DecodeFn]:
     """
     name = cpu_kernels_from_env() if name is None else name
     if name == "numba" and sys.byteorder == "little":
-        from kvstore.codecs import _twobit_numba  # noqa: PLC0415  (compiles on first use)
+        from kvstore.codecs.twobit import numba_kernels  # noqa: PLC0415  (compiles on first use)
 
-        return _twobit_numba.encode, _twobit_numba.decode
+        return numba_kernels.encode, numba_kernels.decode
     if name in ("numba", "numpy"):
         return encode_reference, decode_reference
     raise CodecError(f"unknown CPU kernel set {name!r}; expected 'numba' or 'numpy'")
@@ -203,9 +203,9 @@ def cpu_variant_kernels(name: str | None = None) -> tuple[ClippedEncodeFn, Count
     encode_fn, _ = cpu_kernels(name)
     if encode_fn is encode_reference:
         return encode_clipped_reference, count_at_least_reference
-    from kvstore.codecs import _twobit_numba  # noqa: PLC0415
+    from kvstore.codecs.twobit import numba_kernels  # noqa: PLC0415
 
-    return _twobit_numba.encode_clipped, _twobit_numba.count_at_least
+    return numba_kernels.encode_clipped, numba_kernels.count_at_least
 
 
 def residual_clip_param(value: Any) -> float | None:
@@ -269,16 +269,16 @@ def encode(
     if is_cupy_array(grad):
         import cupy  # noqa: PLC0415
 
-        from kvstore.codecs import _twobit_cuda  # noqa: PLC0415
+        from kvstore.codecs.twobit import cuda_kernels  # noqa: PLC0415
 
         if out is None:
             out = cupy.empty(packed_words(g.size), dtype=cupy.uint32)
         if clip is None:
-            _twobit_cuda.encode(g, r, t, out)
+            cuda_kernels.encode(g, r, t, out)
         else:
-            from kvstore.codecs import _twobit_cuda_ext  # noqa: PLC0415
+            from kvstore.codecs.twobit import cuda_variant_kernels  # noqa: PLC0415
 
-            _twobit_cuda_ext.encode_clipped(g, r, t, residual_limit(t, clip), out)
+            cuda_variant_kernels.encode_clipped(g, r, t, residual_limit(t, clip), out)
         return out
     if out is None:
         out = np.empty(packed_words(g.size), dtype=np.uint32)
@@ -307,11 +307,11 @@ def decode(
     if is_cupy_array(words):
         import cupy  # noqa: PLC0415
 
-        from kvstore.codecs import _twobit_cuda  # noqa: PLC0415
+        from kvstore.codecs.twobit import cuda_kernels  # noqa: PLC0415
 
         if out is None:
             out = cupy.zeros(numel, dtype=cupy.float32)
-        _twobit_cuda.decode(words, numel, t, out.reshape(-1), accumulate)
+        cuda_kernels.decode(words, numel, t, out.reshape(-1), accumulate)
         return out
     if out is None:
         out = np.zeros(numel, dtype=np.float32)
@@ -444,14 +444,14 @@ class _CudaTwoBitEncoder(_TwoBitEncoder):
         self._host = pinned_empty(packed_words(numel), np.uint32)
 
     def encode(self, values: Any) -> list[Any]:
-        from kvstore.codecs import _twobit_cuda  # noqa: PLC0415
+        from kvstore.codecs.twobit import cuda_kernels  # noqa: PLC0415
 
         if self._limit is None:
-            _twobit_cuda.encode(values, self.residual, self.threshold, self._words)
+            cuda_kernels.encode(values, self.residual, self.threshold, self._words)
         else:
-            from kvstore.codecs import _twobit_cuda_ext  # noqa: PLC0415
+            from kvstore.codecs.twobit import cuda_variant_kernels  # noqa: PLC0415
 
-            _twobit_cuda_ext.encode_clipped(
+            cuda_variant_kernels.encode_clipped(
                 values, self.residual, self.threshold, self._limit, self._words
             )
         device_to_host(self._words, self._host)  # waits for the kernel: the grad is free
@@ -466,9 +466,9 @@ class _CudaTwoBitEncoder(_TwoBitEncoder):
         )
 
     def _count_at_least(self, bound: np.float32) -> int:
-        from kvstore.codecs import _twobit_cuda_ext  # noqa: PLC0415
+        from kvstore.codecs.twobit import cuda_variant_kernels  # noqa: PLC0415
 
-        return _twobit_cuda_ext.count_at_least(self.residual, bound)
+        return cuda_variant_kernels.count_at_least(self.residual, bound)
 
     def _max_abs(self) -> float:
         import cupy  # noqa: PLC0415
