@@ -29,15 +29,12 @@ sent (:meth:`~kvstore.codecs.Encoder.quality`).
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
-import math
 import os
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,82 +61,26 @@ from kvstore.errors import (
     OptimizerError,
     ProtocolError,
     UsageError,
-    ValueMismatchError,
 )
 from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
-from kvstore.topology import (
-    WORD_ELEMS,
-    Chunk,
-    Key,
-    interleaved_order,
-    partition_elems_for,
-    plan_chunks,
-)
+from kvstore.topology import Chunk, Key
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Op, buffer_nbytes
 from kvstore.worker import checkpointing as ckpt
 from kvstore.worker import values as vals
+from kvstore.worker.keys import (
+    KeyArg,
+    KeyState,
+    key_pairs,
+    normalize_key,
+    plan_key,
+    servers_on_this_host,
+)
 from kvstore.worker.request import Deadline, Request, wait_all
 from kvstore.worker.stats import EncodeClock, TrafficStats
 from kvstore.worker.transport import Transport
 
 logger = logging.getLogger(__name__)
-
-KeyArg = Key | Sequence[Key]
-
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-@dataclass
-class _KeyState:
-    key: Key
-    shape: tuple[int, ...]
-    dtype: str
-    codec: Codec
-    chunks: tuple[Chunk, ...]
-    # The key's encoder (made at its first push, where its device is known) and its chunks'
-    # encoders, in chunk order (all None before).
-    key_encoder: KeyEncoder | None = None
-    encoders: list[Encoder | None] = field(default_factory=list)
-    encoder_device: Any = None
-    last_push: list[Request | None] = field(default_factory=list)
-    pushes_sent: list[int] = field(default_factory=list)  # per chunk; a pull follows them all
-    relay_limits: list[int] = field(default_factory=list)  # per chunk; 0: pull dense values
-    # compressed pulls (kvstore.codecs.pulled): the w_pub this worker holds, per chunk (None:
-    # the key's pulls are dense)
-    held: list[HeldWeights] | None = None
-    send_order: tuple[Chunk, ...] = ()  # the chunks in push order (see interleaved_order)
-    # Value prefetch (see KVStore.push): whether this key's pushes are followed by a pull, and
-    # the requests of the last push that asked for the values (per chunk), not yet pulled.
-    pulled_after_push: bool = False
-    pushed_since_pull: bool = False
-    prefetched: list[Request] | None = None
-    # Encoder state loaded from a checkpoint, per chunk, waiting for the chunk's encoder to be
-    # made (None: nothing waits); see kvstore.worker.checkpointing.
-    restored: list[dict[str, Any] | None] | None = None
-
-    def pull_fields(self, chunk: Chunk) -> dict[str, int]:
-        """The fields of a request for ``chunk``'s value: the version of ``w_pub`` this worker
-        holds (compressed pulls), or an offer to take a relayed value (none: dense)."""
-        if self.held is not None:
-            return {"pv": self.held[chunk.index].version}
-        limit = self.relay_limits[chunk.index]
-        return {"rx": limit} if limit else {}
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def new_key_encoder(self, device: Any, worker: int) -> KeyEncoder:
-        """A fresh encoder of the key's chunks for worker rank ``worker`` on ``device`` (None:
-        the host), its state at zero."""
-        bounds = [(chunk.start, chunk.stop) for chunk in self.chunks]
-        return self.codec.make_key_encoder(
-            self.key, self.numel, self.dtype, bounds, device, worker=worker, shape=self.shape
-        )
-
-    def describe(self) -> str:
-        return f"key {self.key!r} (shape {self.shape}, {self.dtype})"
 
 
 class _Landing:
@@ -149,7 +90,7 @@ class _Landing:
     caller wakes once per key instead of once per chunk; GPU targets are filled by the caller.
     """
 
-    def __init__(self, state: _KeyState, out: Any, stats: TrafficStats) -> None:
+    def __init__(self, state: KeyState, out: Any, stats: TrafficStats) -> None:
         self.state = state
         self.target = vals.FlatTarget(out)
         self.itemsize = np.dtype(state.dtype).itemsize
@@ -326,26 +267,6 @@ class _RoundTrips:
             self._stats.push_messages += 1
 
 
-def servers_on_this_host(addresses: Sequence[str]) -> bool:
-    """Whether every server address is on the worker's own host (loopback, ``localhost``,
-    ``inproc://`` or ``ipc://``), judged from the addresses alone: no push crosses a link then.
-    """
-    for address in addresses:
-        scheme, _, rest = address.partition("://")
-        if scheme in ("inproc", "ipc"):
-            continue
-        host = rest.rsplit(":", 1)[0].strip("[]")
-        if host == "localhost":
-            continue
-        try:
-            if ipaddress.ip_address(host).is_loopback:
-                continue
-        except ValueError:
-            pass  # a host name: assume it is another host
-        return False
-    return True
-
-
 def _reworded(exc: BaseException, message: str) -> BaseException:
     """A copy of ``exc`` that says ``message`` and keeps its attributes (a lost worker's rank,
     a server's error code)."""
@@ -353,43 +274,6 @@ def _reworded(exc: BaseException, message: str) -> BaseException:
     copy.__dict__.update(exc.__dict__)
     copy.args = (message,)
     return copy
-
-
-def _normalize_key(key: Any) -> Key:
-    if isinstance(key, bool):
-        raise TypeError("expected int or str for `key`, got bool")
-    if isinstance(key, int | np.integer):
-        key = int(key)
-        if not _INT64_MIN <= key <= _INT64_MAX:
-            raise ValueError(f"int key {key} does not fit in 64 bits")
-        return key
-    if isinstance(key, str):
-        if len(key) > 1024:
-            raise ValueError("str keys are limited to 1024 characters")
-        return key
-    raise TypeError(f"expected int or str for `key`, got {type(key).__name__}")
-
-
-def _pairs(key: Any, value: Any, name: str) -> list[tuple[Key, Any]]:
-    """Normalize ``key``/``value`` (single or lists) into (key, value) pairs."""
-    if isinstance(key, list | tuple):
-        keys = [_normalize_key(k) for k in key]
-        if not isinstance(value, list | tuple):
-            raise TypeError(
-                f"a list of {len(keys)} keys needs a list of {len(keys)} values for `{name}`, "
-                f"got {type(value).__name__}"
-            )
-        if len(value) != len(keys):
-            raise ValueError(
-                f"{len(keys)} keys but {len(value)} values for `{name}`; give one per key"
-            )
-        seen: set[Key] = set()
-        for k in keys:
-            if k in seen:
-                raise ValueError(f"key {k!r} appears twice in one call")
-            seen.add(k)
-        return list(zip(keys, value, strict=True))
-    return [(_normalize_key(key), value)]
 
 
 class KVStore:
@@ -424,7 +308,7 @@ class KVStore:
         self._pull_codec: Codec | None = None  # compressed pulls (set_pull_compression)
         # Every worker reads the same addresses, so every worker plans the same chunks.
         self._servers_on_this_host = servers_on_this_host(cluster.servers)
-        self._keys: dict[Key, _KeyState] = {}
+        self._keys: dict[Key, KeyState] = {}
         self._optimizer: OptimizerSpec | None = None
         self._stats = TrafficStats()
         self._api_lock = threading.RLock()
@@ -700,7 +584,7 @@ class KVStore:
             ValueMismatchError: another worker declared a different shape, dtype or codec.
         """
         self._check_open()
-        pairs = _pairs(key, value, "value")
+        pairs = key_pairs(key, value, "value")
         with self._api_lock:
             codec = self._codec
             if compression is not None:
@@ -714,29 +598,16 @@ class KVStore:
                     raise DuplicateInitError(
                         f"key {k!r} is already initialised; call kv.init once per key"
                     )
-                info = vals.describe(v)
-                codec.check_dtype(info.dtype, f"key {k!r}")
-                itemsize = np.dtype(info.dtype).itemsize
-                partition = partition_elems_for(self._options.partition_bytes, itemsize)
-                alignment = codec.chunk_alignment(info.shape)
-                if alignment > partition:  # (rows longer than a partition: the codec copes)
-                    alignment = WORD_ELEMS
-                chunks = plan_chunks(
+                state = plan_key(
                     k,
-                    info.numel,
+                    vals.describe(v),
+                    codec,
+                    self._options,
                     self.num_servers,
-                    bigarray_bound=self._options.bigarray_bound,
-                    partition_elems=partition,
-                    wire_fraction=(
-                        0.0
-                        if self._servers_on_this_host
-                        else codec.pushed_fraction(info.numel, info.dtype)
-                    ),
-                    alignment=alignment,
+                    self._servers_on_this_host,
                 )
-                state = _KeyState(k, info.shape, info.dtype, codec, chunks)
-                if pull_applies(self._pull_codec, info.dtype):
-                    state.held = [HeldWeights(self._pull_codec, c.numel) for c in chunks]
+                if pull_applies(self._pull_codec, state.dtype):
+                    state.held = [HeldWeights(self._pull_codec, c.numel) for c in state.chunks]
                 states.append((state, v))
             requests = []
             for state, v in states:
@@ -766,14 +637,10 @@ class KVStore:
                     )
             wait_all(requests, self._options.timeout)
             for state, _ in states:
-                state.encoders = [None] * len(state.chunks)
-                state.last_push = [None] * len(state.chunks)
-                state.pushes_sent = [0] * len(state.chunks)
-                state.relay_limits = [self._relay_limit(state, chunk) for chunk in state.chunks]
-                state.send_order = interleaved_order(state.chunks)
+                state.ready([self._relay_limit(state, chunk) for chunk in state.chunks])
                 self._keys[state.key] = state
 
-    def _relay_limit(self, state: _KeyState, chunk: Chunk) -> int:
+    def _relay_limit(self, state: KeyState, chunk: Chunk) -> int:
         """How many pushes a relayed pull of ``chunk`` may carry (0: always pull dense).
 
         Relays are asked for only where this job's rounds (N pushes) fit the codec's limit.
@@ -785,7 +652,7 @@ class KVStore:
 
     # push / pull -------------------------------------------------------------------------------
 
-    def _state(self, key: Key) -> _KeyState:
+    def _state(self, key: Key) -> KeyState:
         state = self._keys.get(key)
         if state is None:
             raise KeyNotInitializedError(
@@ -794,7 +661,7 @@ class KVStore:
             )
         return state
 
-    def _check_finite(self, work: Sequence[tuple[_KeyState, Any]]) -> None:
+    def _check_finite(self, work: Sequence[tuple[KeyState, Any]]) -> None:
         """Refuse pushed float values that hold NaN or an infinity, before anything of the call
         is encoded or sent (``KVSTORE_ALLOW_NONFINITE=1`` skips the check).
 
@@ -815,16 +682,7 @@ class KVStore:
                     f"residual changed (KVSTORE_ALLOW_NONFINITE=1 pushes them as they are)"
                 )
 
-    def _check_value(self, state: _KeyState, value: Any, name: str) -> vals.ValueInfo:
-        info = vals.describe(value, name)
-        if info.shape != state.shape or info.dtype != state.dtype:
-            raise ValueMismatchError(
-                f"`{name}` for {state.describe()} has shape {info.shape} and dtype {info.dtype}; "
-                f"it must match the value given to init"
-            )
-        return info
-
-    def _key_encoder(self, state: _KeyState, source: Any) -> KeyEncoder:
+    def _key_encoder(self, state: KeyState, source: Any) -> KeyEncoder:
         """The key's encoder for values on ``source``'s device (made on first use, with the
         state a checkpoint load left waiting for it)."""
         device = vals.gpu_device_of(source)
@@ -847,7 +705,7 @@ class KVStore:
             state.encoders = list(key_encoder.chunks)
         return key_encoder
 
-    def _wait_push(self, state: _KeyState, index: int, deadline: Deadline | None = None) -> None:
+    def _wait_push(self, state: KeyState, index: int, deadline: Deadline | None = None) -> None:
         """Wait for the last push of ``state``'s chunk ``index`` (within the call's
         ``deadline``; None: a call of its own) and raise its error."""
         previous = state.last_push[index]
@@ -861,7 +719,7 @@ class KVStore:
 
     def _send_pushes(
         self,
-        state: _KeyState,
+        state: KeyState,
         value: Any,
         op: Op,
         priority: int,
@@ -981,10 +839,10 @@ class KVStore:
         """
         self._check_open()
         self._require_optimizer_for_async()
-        pairs = _pairs(key, value, "value")
+        pairs = key_pairs(key, value, "value")
         work = [(self._state(k), v) for k, v in pairs]
         for state, v in work:
-            self._check_value(state, v, "value")
+            state.check_value(v, "value")
         self._check_finite([(state, v) for state, v in work])
         deadline = self._deadline()  # (for the chunks' previous pushes, over the whole call)
         for state, v in work:
@@ -996,7 +854,7 @@ class KVStore:
                 self._send_pushes(state, v, Op.PUSH, priority, borrow=borrow, deadline=deadline)
             state.pushed_since_pull = True
 
-    def _prefetch_values(self, state: _KeyState) -> bool:
+    def _prefetch_values(self, state: KeyState) -> bool:
         """Whether the push about to be sent for ``state`` should ask for the round's values."""
         self._forget_unpulled_values(state)
         # (a multi-round push's last reply carries the codec's factors, not the value)
@@ -1004,14 +862,14 @@ class KVStore:
         return self.type != "dist_async" and state.pulled_after_push and not multi_round
 
     @staticmethod
-    def _forget_unpulled_values(state: _KeyState) -> None:
+    def _forget_unpulled_values(state: KeyState) -> None:
         """Before a new push of ``state``: drop the last push's values if no pull took them,
         and stop asking for them until a pull follows a push again."""
         if state.prefetched is not None:
             state.prefetched = None
             state.pulled_after_push = False
 
-    def _pull_requests(self, state: _KeyState, landing: _Landing, priority: int) -> list[Request]:
+    def _pull_requests(self, state: KeyState, landing: _Landing, priority: int) -> list[Request]:
         """One request per chunk whose reply fills ``landing``: the last push's own, where it
         asked for the values, else a new pull."""
         prefetched, state.prefetched = state.prefetched, None
@@ -1026,7 +884,7 @@ class KVStore:
             return prefetched
         return self._submit_pulls(state, landing, priority)
 
-    def _submit_pulls(self, state: _KeyState, landing: _Landing, priority: int) -> list[Request]:
+    def _submit_pulls(self, state: KeyState, landing: _Landing, priority: int) -> list[Request]:
         """A pull of every chunk of ``state``, following every push sent so far."""
         return [
             self._transport.submit(
@@ -1059,10 +917,10 @@ class KVStore:
         self._check_open()
         if out is None:
             raise TypeError("pull needs `out`: the array or tensor to fill")
-        pairs = _pairs(key, out, "out")
+        pairs = key_pairs(key, out, "out")
         work = [(self._state(k), o) for k, o in pairs]
         for state, o in work:
-            self._check_value(state, o, "out")
+            state.check_value(o, "out")
         deadline = self._deadline()
         pending = []
         for state, o in work:
@@ -1080,12 +938,12 @@ class KVStore:
         ``value`` in use (until :meth:`close`)."""
         self._check_open()
         self._require_optimizer_for_async()
-        pairs = _pairs(key, value, "value")
-        outs = [v for _, v in pairs] if out is None else [o for _, o in _pairs(key, out, "out")]
+        pairs = key_pairs(key, value, "value")
+        outs = [v for _, v in pairs] if out is None else [o for _, o in key_pairs(key, out, "out")]
         work = [(self._state(k), v, o) for (k, v), o in zip(pairs, outs, strict=True)]
         for state, v, o in work:
-            self._check_value(state, v, "value")
-            self._check_value(state, o, "out")
+            state.check_value(v, "value")
+            state.check_value(o, "out")
         self._check_finite([(state, v) for state, v, _ in work])
         deadline = self._deadline()
         pending = []
@@ -1153,7 +1011,7 @@ class KVStore:
             raise first_error
 
     def _wait_pushes(
-        self, keys: Iterable[_KeyState] | None = None, deadline: Deadline | None = None
+        self, keys: Iterable[KeyState] | None = None, deadline: Deadline | None = None
     ) -> None:
         """Wait for this worker's pushes (of ``keys``, or of all keys) within ``deadline``
         (None: a call of its own); raise the first error after all ended."""
@@ -1176,7 +1034,7 @@ class KVStore:
             self._wait_pushes()
         else:
             keys = key if isinstance(key, list | tuple) else [key]
-            self._wait_pushes([self._state(_normalize_key(k)) for k in keys])
+            self._wait_pushes([self._state(normalize_key(k)) for k in keys])
 
     def barrier(self) -> None:
         """Wait until every worker reached its barrier, after this worker's pushes were applied.
@@ -1332,9 +1190,9 @@ class KVStore:
         self._check_open()
         names = keys if isinstance(keys, list | tuple) else [keys]
         with self._api_lock:
-            states: dict[Key, _KeyState] = {}  # (a key named twice is described once)
+            states: dict[Key, KeyState] = {}  # (a key named twice is described once)
             for name in names:
-                state = self._state(_normalize_key(name))
+                state = self._state(normalize_key(name))
                 states[state.key] = state
             self._wait_pushes(states.values())
             return ckpt.codec_state_dict(states.values(), self.rank)

@@ -16,7 +16,7 @@ from kvstore.config import DEFAULT_BIGARRAY_BOUND
 from kvstore.server.work import INLINE_ELEMS
 from kvstore.topology import partition_elems_for, plan_chunks
 from kvstore.wire import Op
-from kvstore.worker.client import servers_on_this_host
+from kvstore.worker.keys import servers_on_this_host
 
 pytestmark = pytest.mark.integration
 
