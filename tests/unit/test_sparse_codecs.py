@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from kvstore import checkpoint
-from kvstore.codecs import _sparse_numba, get_codec, sparse
+from kvstore.codecs import get_codec, sparse
 from kvstore.codecs.base import ANY_RELAY_PUSHES, relay_fits
 from kvstore.codecs.counter_rng import counter_hash
-from kvstore.codecs.dgc import WARMUP_DENSITIES, density, sum_of_squares_reference
-from kvstore.codecs.randomk import permuted_prefix_reference
-from kvstore.codecs.topk import top_k_reference
+from kvstore.codecs.sparse import numba_kernels as sparse_numba
+from kvstore.codecs.sparse.dgc import WARMUP_DENSITIES, density, sum_of_squares_reference
+from kvstore.codecs.sparse.randomk import permuted_prefix_reference
+from kvstore.codecs.sparse.topk import top_k_reference
 from kvstore.errors import CheckpointError, CodecError
 
 SPECS = [
@@ -178,7 +179,7 @@ def test_kernels_agree_on_a_large_key(monkeypatch):
 
 def test_the_norm_reduction_is_the_same_everywhere():
     g = np.random.default_rng(0).normal(0, 3, 3 * 4096 + 17).astype(np.float32)
-    assert sum_of_squares_reference(g) == _sparse_numba.blocked_sum_of_squares(g, 4096)
+    assert sum_of_squares_reference(g) == sparse_numba.blocked_sum_of_squares(g, 4096)
     assert math.isclose(sum_of_squares_reference(g), float(np.sum(g.astype(np.float64) ** 2)))
 
 
@@ -293,12 +294,12 @@ def test_the_keyed_permutation_is_a_permutation(numel):
     for step in range(3):
         keys = counter_hash(1, step), counter_hash(2, step)
         keys = tuple(k & 0xFFFFFFFF for k in (*keys, *keys))
-        from kvstore.codecs.randomk import half_bits
+        from kvstore.codecs.sparse.randomk import half_bits
 
         full = permuted_prefix_reference(numel, numel, half_bits(numel), keys)
         assert sorted(full.tolist()) == list(range(numel))
         compiled = np.empty(numel, np.int64)
-        _sparse_numba.permuted_prefix(numel, half_bits(numel), np.array(keys, np.uint64), compiled)
+        sparse_numba.permuted_prefix(numel, half_bits(numel), np.array(keys, np.uint64), compiled)
         assert compiled.tolist() == full.tolist()
 
 

@@ -39,7 +39,7 @@ from kvstore.codecs.sparse import (
     fraction_param,
     ratio_param,
 )
-from kvstore.codecs.topk import select_reference, top_selection
+from kvstore.codecs.sparse.topk import select_reference, top_selection
 from kvstore.errors import CodecError
 
 WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)

@@ -29,8 +29,8 @@ selection is cut by chunk. What to select is decided on the host before any kern
 (:class:`Selection`: a threshold, a target ``k`` with or without a sample plan, or a keyed
 permutation); the selection itself runs in one of three implementations with one contract
 (identical indices, values and state on any input): the codec's numpy reference (readable as
-the spec; ``KVSTORE_CPU_KERNELS=numpy``), the compiled CPU kernels of ``_sparse_numba`` (the
-default) and the CuPy code of ``_sparse_cuda`` for GPU values.
+the spec; ``KVSTORE_CPU_KERNELS=numpy``), the compiled CPU kernels of ``numba_kernels`` (the
+default) and the CuPy code of ``cuda_kernels`` for GPU values.
 
 **Deterministic choices** shared by the family, so that every implementation agrees: the key's
 identity is hashed with :func:`~kvstore.codecs.counter_rng.stable_key_hash`, per-push randomness
@@ -156,8 +156,8 @@ class Accumulation(NamedTuple):
     """How a push's gradient goes into the key's state before selection.
 
     ``momentum`` None: error feedback, ``r += g`` (state ``residual``). Otherwise DGC's momentum
-    correction with float32 ``momentum`` (state ``u``, ``v``; see :mod:`kvstore.codecs.dgc`),
-    the gradient first scaled by :func:`kvstore.codecs.dgc.clip_scale` of ``clip_norm``.
+    correction with float32 ``momentum`` (state ``u``, ``v``; see :mod:`kvstore.codecs.sparse.dgc`),
+    the gradient first scaled by :func:`kvstore.codecs.sparse.dgc.clip_scale` of ``clip_norm``.
     """
 
     momentum: np.float32 | None = None
@@ -225,9 +225,9 @@ def _kernel_set() -> str:
 
 
 def _numba() -> Any:
-    from kvstore.codecs import _sparse_numba  # noqa: PLC0415  (compiles on first use)
+    from kvstore.codecs.sparse import numba_kernels  # noqa: PLC0415  (compiles on first use)
 
-    return _sparse_numba
+    return numba_kernels
 
 
 def _libc_memset() -> Any:
@@ -303,11 +303,11 @@ def sum_relay(
     compiled = _kernel_set() == "numba"
     checked = [validate_payloads(p, numel, dtype, codec, compiled) for p in pushes]
     if is_cupy_array(out):
-        from kvstore.codecs import _sparse_cuda  # noqa: PLC0415
+        from kvstore.codecs.sparse import cuda_kernels  # noqa: PLC0415
 
         out.fill(0)
         for indices, values in checked:
-            _sparse_cuda.scatter_add(out, indices, values)
+            cuda_kernels.scatter_add(out, indices, values)
         return
     zero_fill(out)
     for indices, values in checked:
@@ -517,9 +517,9 @@ class SparseKeyEncoder(KeyEncoder):
         selection = self.codec.selection(self.numel, self.step, self.key_hash)
         accumulation = self.codec.accumulation()
         if self.on_gpu:
-            from kvstore.codecs import _sparse_cuda  # noqa: PLC0415
+            from kvstore.codecs.sparse import cuda_kernels  # noqa: PLC0415
 
-            self._cuts[:] = _sparse_cuda.encode(
+            self._cuts[:] = cuda_kernels.encode(
                 self.state,
                 self.codec.state_names,
                 values,
@@ -664,7 +664,7 @@ def _encode_compiled(
     m = np.float32(acc.momentum if dgc else 0)
     scale = np.float32(1)
     if dgc and acc.clip_norm is not None:
-        from kvstore.codecs.dgc import clip_scale  # noqa: PLC0415
+        from kvstore.codecs.sparse.dgc import clip_scale  # noqa: PLC0415
 
         scale = clip_scale(float(nb.blocked_sum_of_squares(grad, 4096)), acc.clip_norm)
     buffers = encoder.buffers

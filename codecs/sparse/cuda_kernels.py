@@ -41,8 +41,8 @@ import cupy
 import numpy as np
 
 from kvstore.codecs._cuda_ieee import IEEE_OPS
-from kvstore.codecs.dgc import NORM_BLOCK, clip_scale
 from kvstore.codecs.sparse import RANDOM, THRESHOLD, Accumulation, Selection, accepted_count
+from kvstore.codecs.sparse.dgc import NORM_BLOCK, clip_scale
 from kvstore.codecs.xp import device_to_host
 
 TILE_THREADS = 256
@@ -472,8 +472,9 @@ def _update_args(state: dict, names: tuple, grad: Any, acc: Accumulation) -> tup
 
 
 def _sum_of_squares(grad: Any) -> float:
-    """The float64 sum of squares, exactly as :func:`kvstore.codecs.dgc.sum_of_squares_reference`
-    (blocks summed in order on the device, block sums in order on the host)."""
+    """The float64 sum of squares, exactly as
+    :func:`kvstore.codecs.sparse.dgc.sum_of_squares_reference` (blocks summed in order on the
+    device, block sums in order on the host)."""
     n = int(grad.size)
     if n == 0:
         return 0.0
@@ -506,8 +507,8 @@ class _Flags(NamedTuple):
 def _select_key(x: Any, k: int, selected_key: Any) -> None:
     """Leave in ``selected_key`` (int64 [2], device) the key T of the ``k``-th largest
     ``abs(x)`` and how many entries of key T the top ``k`` hold (as
-    :func:`kvstore.codecs._sparse_numba.kth_largest`): three radix levels, each a histogram and
-    a one-block pick, all on the device (no host round trip)."""
+    :func:`kvstore.codecs.sparse.numba_kernels.kth_largest`): three radix levels, each a
+    histogram and a one-block pick, all on the device (no host round trip)."""
     n = int(x.size)
     hists = cupy.zeros((len(_LEVELS), 2048), dtype=cupy.uint64)  # one row per level
     grid = min(_blocks(n), _histogram_blocks(x.device.id))

@@ -1,9 +1,10 @@
 """Compiled CPU kernels of the sparse codec family (numba, GIL released, cached on disk).
 
-Same results, bit for bit, as the numpy references in :mod:`kvstore.codecs.threshold`,
-:mod:`~kvstore.codecs.topk`, :mod:`~kvstore.codecs.randomk` and :mod:`~kvstore.codecs.dgc`;
-:mod:`kvstore.codecs.sparse` strings them together. Compiled without fast-math, so every float32
-operation rounds like numpy's (no reassociation, no fused multiply-add).
+Same results, bit for bit, as the numpy references in :mod:`kvstore.codecs.sparse.threshold`,
+:mod:`~kvstore.codecs.sparse.topk`, :mod:`~kvstore.codecs.sparse.randomk` and
+:mod:`~kvstore.codecs.sparse.dgc`; :mod:`kvstore.codecs.sparse` strings them together. Compiled
+without fast-math, so every float32 operation rounds like numpy's (no reassociation, no fused
+multiply-add).
 
 The passes over a whole key work in blocks of :data:`BLOCK` elements: a plain loop that LLVM
 vectorizes updates the block (``r += g``, or DGC's momentum) and writes one flag byte per element
@@ -318,7 +319,7 @@ def _hash32(x):
 def permuted_prefix(n, half_bits, round_keys, out):
     """``out[j]`` = the image of ``j`` under the keyed permutation of ``[0, n)`` (a Feistel
     network on ``2 * half_bits`` bits, cycle-walking back into range), for
-    ``j < out.shape[0]``; see :func:`kvstore.codecs.randomk.permuted_prefix_reference`."""
+    ``j < out.shape[0]``; see :func:`kvstore.codecs.sparse.randomk.permuted_prefix_reference`."""
     half = np.uint64(half_bits)
     mask = np.uint64((1 << half_bits) - 1)
     limit = np.uint64(n)
@@ -379,7 +380,7 @@ def first_unordered(idx):
 @njit(nogil=True, cache=True)
 def blocked_sum_of_squares(g, block):
     """``sum(g**2)`` in float64: each block of ``block`` elements summed in order, then the
-    block sums in order (see :func:`kvstore.codecs.dgc.sum_of_squares_reference`)."""
+    block sums in order (see :func:`kvstore.codecs.sparse.dgc.sum_of_squares_reference`)."""
     total = 0.0
     n = g.shape[0]
     for start in range(0, n, block):
