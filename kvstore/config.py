@@ -1,8 +1,10 @@
 """Configuration: the per-role config objects, read from the ``KVSTORE_*`` environment variables.
 
-The variables themselves are declared in :mod:`kvstore.envvars`. Nothing reads the environment
-at import time: configs are built once per process with ``from_env()``, and explicit arguments
-take precedence over the environment.
+Each variable is declared once, in :data:`kvstore.envvars.ENV_VARS`, with its parser and the
+config field it fills: ``from_env()`` walks that table (:func:`kvstore.envvars.config_fields`)
+and adds only what is composed of several variables (the metrics endpoint, the CURVE keys).
+Nothing reads the environment at import time: configs are built once per process with
+``from_env()``, and explicit arguments take precedence over the environment.
 
 A missing or malformed variable raises :class:`~kvstore.errors.ConfigError` naming the variable,
 the bad value, and pointing at ``kvstore-launch``, which sets the job variables for you.
@@ -16,18 +18,21 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvstore.envvars import (
-    LAUNCH_HINT,
-    TORCHRUN_FALLBACKS,
-    env_text,
-    parse_float,
-    parse_host,
-    parse_int,
-    parse_server_list,
-    parse_switch,
-    require_env_text,
+    CLUSTER_CONFIG,
+    METRICS_CONFIG,
+    MIN_MESSAGE_BYTES,
+    SERVER_CONFIG,
+    WORKER_OPTIONS,
+    check_heartbeat_timeout,
+    check_z85_key,
+    config_fields,
+    env_value,
+    source_name,
 )
+from kvstore.envvars import parse_server_list as parse_server_list  # config's API as well
 from kvstore.errors import ConfigError
 
 DEFAULT_BIGARRAY_BOUND = 1_000_000
@@ -38,8 +43,6 @@ balance; on a grid of 4 workers and 4 servers over 1 Gbit/s links that was 4 MiB
 and 8 MiB a few percent slower and 16 MiB far slower."""
 DEFAULT_CONNECT_TIMEOUT = 60.0
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0
-MIN_HEARTBEAT_TIMEOUT = 0.1
-"""Shorter timeouts are refused: pings every timeout / 6 would cost more than they tell."""
 MAX_HEARTBEAT_INTERVAL = 5.0
 DEFAULT_METRICS_ADDR = "127.0.0.1"
 """Default ``KVSTORE_METRICS_ADDR``. The endpoint has no authentication and names the job's keys,
@@ -84,33 +87,15 @@ class ClusterConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClusterConfig:
         """Read ``KVSTORE_SERVERS``, ``KVSTORE_RANK`` and ``KVSTORE_NUM_WORKERS``; where one of
         the last two is not set, torchrun's ``RANK`` / ``WORLD_SIZE`` stand in for it
-        (:data:`TORCHRUN_FALLBACKS`)."""
+        (:data:`kvstore.envvars.TORCHRUN_FALLBACKS`)."""
         env = os.environ if env is None else env
-        servers = parse_server_list(
-            "KVSTORE_SERVERS", require_env_text(env, "KVSTORE_SERVERS", "the server addresses")
-        )
-        rank_var, raw_rank = _job_variable(env, "KVSTORE_RANK", "this worker's rank")
-        rank = parse_int(rank_var, raw_rank, minimum=0)
-        size_var, raw_size = _job_variable(env, "KVSTORE_NUM_WORKERS", "the number of workers")
-        num_workers = parse_int(size_var, raw_size, minimum=1)
+        values = config_fields(env, CLUSTER_CONFIG)
+        rank, num_workers = values["rank"], values["num_workers"]
         if rank >= num_workers:
+            rank_var = source_name(env, "KVSTORE_RANK")
+            size_var = source_name(env, "KVSTORE_NUM_WORKERS")
             raise ConfigError(f"{rank_var}={rank} is out of range for {size_var}={num_workers}")
-        return cls(servers=servers, rank=rank, num_workers=num_workers)
-
-
-def _job_variable(env: Mapping[str, str], name: str, what: str) -> tuple[str, str]:
-    """The name and value of job variable ``name``, or of the torchrun variable standing in for
-    it when it is not set (``KVSTORE_RANK`` -> ``RANK``)."""
-    value = env_text(env, name)
-    if value is not None:
-        return name, value
-    fallback = TORCHRUN_FALLBACKS[name]
-    value = env_text(env, fallback)
-    if value is not None:
-        return fallback, value
-    raise ConfigError(
-        f"{name} is not set (nor torchrun's {fallback}): it must hold {what}; {LAUNCH_HINT}"
-    )
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -143,24 +128,10 @@ def metrics_config_from_env(env: Mapping[str, str] | None = None) -> MetricsConf
     unset. The other two are validated whenever they are set, so a typo never waits for the day
     the port is."""
     env = os.environ if env is None else env
-    raw = env_text(env, "KVSTORE_METRICS_ADDR")
-    addr = DEFAULT_METRICS_ADDR if raw is None else parse_host("KVSTORE_METRICS_ADDR", raw)
-    raw = env_text(env, "KVSTORE_METRICS_EVERY")
-    every = (
-        DEFAULT_METRICS_EVERY if raw is None else parse_int("KVSTORE_METRICS_EVERY", raw, minimum=1)
-    )
-    raw = env_text(env, "KVSTORE_METRICS_PORT")
-    if raw is None:
-        return None
-    port = parse_int("KVSTORE_METRICS_PORT", raw, minimum=0, maximum=65535)
-    return MetricsConfig(port=port, addr=addr, every=every)
+    values = config_fields(env, METRICS_CONFIG)
+    return MetricsConfig(**values) if "port" in values else None
 
 
-Z85_KEY_LENGTH = 40
-"""Characters of a CURVE key in Z85 text (32 bytes)."""
-_Z85_ALPHABET = frozenset(
-    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
-)
 AUTH_DIR_VAR = "KVSTORE_AUTH_DIR"
 AUTH_KEY_FILES: dict[str, str] = {
     "server-secret-key": "KVSTORE_AUTH_SERVER_SECRET_KEY",
@@ -208,21 +179,6 @@ class CurveKeys:
             check_z85_key(own_public, self.public_key)
 
 
-def check_z85_key(what: str, key: str) -> None:
-    """Raise ConfigError unless ``key`` is a CURVE key in Z85 text. The message never shows
-    the key (it may be a secret), only what is wrong with it."""
-    if len(key) != Z85_KEY_LENGTH:
-        raise ConfigError(
-            f"{what} is not a CURVE key: expected {Z85_KEY_LENGTH} Z85 characters (as "
-            f"`kvstore-keygen` writes them), got {len(key)} characters"
-        )
-    bad = sorted(set(key) - _Z85_ALPHABET)
-    if bad:
-        raise ConfigError(
-            f"{what} is not a CURVE key: {len(bad)} character(s) outside the Z85 alphabet"
-        )
-
-
 def curve_keys_from_env(role: str, env: Mapping[str, str] | None = None) -> CurveKeys | None:
     """The CURVE credentials of a ``role`` (``"server"`` or ``"worker"``) process, or None.
 
@@ -235,24 +191,13 @@ def curve_keys_from_env(role: str, env: Mapping[str, str] | None = None) -> Curv
     env = os.environ if env is None else env
     if role not in AUTH_ROLE_FILES:
         raise ConfigError(f"role must be 'server' or 'worker', got {role!r}")
-    directory = env_text(env, AUTH_DIR_VAR)
+    directory = env_value(env, AUTH_DIR_VAR, None)
     found: dict[str, str] = {}
     for name in AUTH_ROLE_FILES[role]:
-        var = AUTH_KEY_FILES[name]
-        value = env_text(env, var)
-        where = var
+        value = env_value(env, AUTH_KEY_FILES[name], None)
         if value is None and directory is not None:
-            path = os.path.join(directory, name)
-            where = f"{AUTH_DIR_VAR}={directory}: {name}"
-            try:
-                with open(path, encoding="ascii") as f:
-                    value = f.read().strip()
-            except FileNotFoundError:
-                value = None
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"cannot read {where}: {exc}") from None
+            value = _read_key_file(directory, name)
         if value is not None:
-            check_z85_key(where, value)
             found[name] = value
     own_secret, own_public, peer = AUTH_ROLE_FILES[role]
     if own_secret not in found and peer not in found:
@@ -279,11 +224,25 @@ def curve_keys_from_env(role: str, env: Mapping[str, str] | None = None) -> Curv
     return CurveKeys(role, found[own_secret], found[peer], found.get(own_public))
 
 
+def _read_key_file(directory: str, name: str) -> str | None:
+    """The CURVE key in file ``name`` of ``directory``, checked; None where there is no such
+    file."""
+    where = f"{AUTH_DIR_VAR}={directory}: {name}"
+    try:
+        with open(os.path.join(directory, name), encoding="ascii") as f:
+            value = f.read().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {where}: {exc}") from None
+    check_z85_key(where, value)
+    return value
+
+
 def launcher_auth_from_env(env: Mapping[str, str] | None = None) -> bool:
     """``KVSTORE_AUTH``: whether ``kvstore-launch`` makes CURVE keys for its job (default 1)."""
     env = os.environ if env is None else env
-    raw = env_text(env, "KVSTORE_AUTH")
-    return True if raw is None else parse_switch("KVSTORE_AUTH", raw)
+    return env_value(env, "KVSTORE_AUTH", True)
 
 
 @dataclass(frozen=True)
@@ -346,40 +305,11 @@ class WorkerOptions:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> WorkerOptions:
         """Read the worker tunables; keyword ``overrides`` (not None) win over the environment."""
         env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        raw = env_text(env, "KVSTORE_BIGARRAY_BOUND")
-        if raw is not None:
-            values["bigarray_bound"] = parse_int("KVSTORE_BIGARRAY_BOUND", raw, minimum=1)
-        raw = env_text(env, "KVSTORE_PARTITION_BYTES")
-        if raw is not None:
-            values["partition_bytes"] = parse_int("KVSTORE_PARTITION_BYTES", raw, minimum=64)
-        raw = env_text(env, "KVSTORE_TIMEOUT")
-        if raw is not None:
-            timeout = parse_float("KVSTORE_TIMEOUT", raw, minimum=0.0)
-            values["timeout"] = timeout if timeout > 0 else None
-        raw = env_text(env, "KVSTORE_CONNECT_TIMEOUT")
-        if raw is not None:
-            values["connect_timeout"] = parse_float("KVSTORE_CONNECT_TIMEOUT", raw, minimum=0.001)
-        raw = env_text(env, "KVSTORE_PUSH_LEAD")
-        if raw is not None:
-            values["push_lead"] = parse_int("KVSTORE_PUSH_LEAD", raw, minimum=0)
-        raw = env_text(env, "KVSTORE_PUSH_TOS")
-        if raw is not None:
-            values["push_tos"] = parse_int("KVSTORE_PUSH_TOS", raw, minimum=0, maximum=255, base=0)
-        raw = env_text(env, "KVSTORE_SEND_QUEUE_MS")
-        if raw is not None:
-            values["send_queue_ms"] = parse_float("KVSTORE_SEND_QUEUE_MS", raw, minimum=0.0)
-        raw = env_text(env, "KVSTORE_PULL_RELAY")
-        if raw is not None:
-            values["pull_relay"] = parse_switch("KVSTORE_PULL_RELAY", raw)
-        raw = env_text(env, "KVSTORE_ALLOW_NONFINITE")
-        if raw is not None:
-            values["allow_nonfinite"] = parse_switch("KVSTORE_ALLOW_NONFINITE", raw)
+        values = config_fields(env, WORKER_OPTIONS)
         values["metrics"] = metrics_config_from_env(env)
-        values["heartbeat_timeout"] = heartbeat_timeout_from_env(env)
         values["curve"] = curve_keys_from_env("worker", env)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)
 
     def for_job(self, num_workers: int) -> WorkerOptions:
         """These options with every "default by job size" (None) setting filled in for a job
@@ -478,55 +408,43 @@ class ServerConfig:
             )
         check_heartbeat_timeout(self.heartbeat_timeout)
 
-
-MIN_MESSAGE_BYTES = 64 * 1024
-"""The smallest message size limit: a header alone may take 64 KiB (``wire.MAX_HEADER_BYTES``)."""
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:
+        """A ``kvstore-server`` process's settings from the environment; keyword ``overrides``
+        (not None: its command line) win over it. Unlike an in-process server, such a process
+        has heartbeats on unless ``KVSTORE_HEARTBEAT_TIMEOUT`` is 0 (default 30 seconds)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {"heartbeat_timeout": DEFAULT_HEARTBEAT_TIMEOUT}
+        values.update(config_fields(env, SERVER_CONFIG))
+        values["metrics"] = metrics_config_from_env(env)
+        values["curve"] = curve_keys_from_env("server", env)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
 
 
 def partition_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
     """``KVSTORE_PARTITION_BYTES`` or its default (a server derives its message limit from it)."""
     env = os.environ if env is None else env
-    raw = env_text(env, "KVSTORE_PARTITION_BYTES")
-    if raw is None:
-        return DEFAULT_PARTITION_BYTES
-    return parse_int("KVSTORE_PARTITION_BYTES", raw, minimum=64)
+    return env_value(env, "KVSTORE_PARTITION_BYTES", DEFAULT_PARTITION_BYTES)
 
 
 def max_message_bytes_from_env(env: Mapping[str, str] | None = None) -> int | None:
     """``KVSTORE_MAX_MESSAGE_BYTES``, or None (unset: derived from the partition size)."""
     env = os.environ if env is None else env
-    raw = env_text(env, "KVSTORE_MAX_MESSAGE_BYTES")
-    if raw is None:
-        return None
-    return parse_int("KVSTORE_MAX_MESSAGE_BYTES", raw, minimum=MIN_MESSAGE_BYTES)
+    return env_value(env, "KVSTORE_MAX_MESSAGE_BYTES", None)
 
 
 def server_threads_from_env(env: Mapping[str, str] | None = None) -> int:
     """``KVSTORE_SERVER_THREADS`` or the default."""
     env = os.environ if env is None else env
-    raw = env_text(env, "KVSTORE_SERVER_THREADS")
-    if raw is None:
-        return default_server_threads()
-    return parse_int("KVSTORE_SERVER_THREADS", raw, minimum=1)
-
-
-def check_heartbeat_timeout(value: float, name: str = "heartbeat_timeout") -> float:
-    """``value`` if it is a valid heartbeat timeout in seconds (0: heartbeats off)."""
-    if value != value or not (value == 0 or value >= MIN_HEARTBEAT_TIMEOUT):
-        raise ConfigError(
-            f"{name}={value!r} must be 0 (off) or at least {MIN_HEARTBEAT_TIMEOUT} seconds"
-        )
-    return value
+    threads = env_value(env, "KVSTORE_SERVER_THREADS", None)
+    return default_server_threads() if threads is None else threads
 
 
 def heartbeat_timeout_from_env(env: Mapping[str, str] | None = None) -> float:
     """``KVSTORE_HEARTBEAT_TIMEOUT`` in seconds (default 30; 0: heartbeats off)."""
     env = os.environ if env is None else env
-    raw = env_text(env, "KVSTORE_HEARTBEAT_TIMEOUT")
-    if raw is None:
-        return DEFAULT_HEARTBEAT_TIMEOUT
-    value = parse_float("KVSTORE_HEARTBEAT_TIMEOUT", raw, minimum=0.0)
-    return check_heartbeat_timeout(value, "KVSTORE_HEARTBEAT_TIMEOUT")
+    return env_value(env, "KVSTORE_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT)
 
 
 def heartbeat_interval(timeout: float) -> float:
@@ -539,17 +457,10 @@ def heartbeat_interval(timeout: float) -> float:
 def malloc_tuning_from_env(env: Mapping[str, str] | None = None) -> bool:
     """``KVSTORE_MALLOC_TUNING``: True (default) unless set to 0/false/no/off."""
     env = os.environ if env is None else env
-    raw = env_text(env, "KVSTORE_MALLOC_TUNING")
-    return True if raw is None else parse_switch("KVSTORE_MALLOC_TUNING", raw)
+    return env_value(env, "KVSTORE_MALLOC_TUNING", True)
 
 
 def cpu_kernels_from_env(env: Mapping[str, str] | None = None) -> str:
     """``KVSTORE_CPU_KERNELS``: ``"numba"`` (default) or ``"numpy"``."""
     env = os.environ if env is None else env
-    raw = env_text(env, "KVSTORE_CPU_KERNELS")
-    if raw is None:
-        return "numba"
-    value = raw.lower()
-    if value not in ("numba", "numpy"):
-        raise ConfigError(f"KVSTORE_CPU_KERNELS={raw!r} must be 'numba' or 'numpy'")
-    return value
+    return env_value(env, "KVSTORE_CPU_KERNELS", "numba")

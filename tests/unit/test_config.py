@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
+from kvstore import config
 from kvstore.config import (
+    DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_PUSH_TOS,
     ClusterConfig,
     MetricsConfig,
@@ -16,6 +19,7 @@ from kvstore.config import (
     cpu_kernels_from_env,
     default_push_lead,
     default_push_tos,
+    default_server_threads,
     metrics_config_from_env,
     server_threads_from_env,
 )
@@ -223,3 +227,34 @@ def test_metrics_without_prometheus_client_name_the_variable_and_the_extra(monke
         WorkerMetrics(MetricsConfig(), 0, 1)
     with pytest.raises(ConfigError, match=hint):
         ServerMetrics(MetricsConfig(), 0)
+
+
+def test_every_declared_field_exists_in_the_config_that_reads_it():
+    # The table names config classes and fields as text; a typo there would silently drop a
+    # variable, so each one is checked against the real dataclass.
+    for var in ENV_VARS:
+        assert bool(var.field) == bool(var.read_by), var.name
+        for name in var.read_by:
+            fields = {f.name for f in dataclasses.fields(getattr(config, name))}
+            assert var.field in fields, f"{var.name} fills {name}.{var.field}, which is not a field"
+        if var.name != "KVSTORE_LOG_LEVEL":  # kvstore._logging reads it, warning on a bad level
+            assert var.parse is not None, f"{var.name} has no parser"
+
+
+def test_server_config_from_env_reads_what_kvstore_server_reads():
+    defaults = ServerConfig.from_env({})
+    assert defaults == ServerConfig(heartbeat_timeout=DEFAULT_HEARTBEAT_TIMEOUT)
+    assert defaults.threads == default_server_threads() and defaults.max_message_bytes is None
+    env = {
+        "KVSTORE_SERVER_THREADS": "3",
+        "KVSTORE_PARTITION_BYTES": "4096",
+        "KVSTORE_MAX_MESSAGE_BYTES": "65536",
+        "KVSTORE_HEARTBEAT_TIMEOUT": "0",
+        "KVSTORE_METRICS_PORT": "9100",
+    }
+    read = ServerConfig.from_env(env, num_workers=2, threads=None, max_message_bytes=None)
+    assert (read.threads, read.partition_bytes, read.max_message_bytes) == (3, 4096, 65536)
+    assert (read.heartbeat_timeout, read.metrics, read.num_workers) == (0.0, MetricsConfig(9100), 2)
+    assert ServerConfig.from_env(env, threads=1).threads == 1  # the command line wins
+    with pytest.raises(ConfigError, match="KVSTORE_MAX_MESSAGE_BYTES='1024' must be >= 65536"):
+        ServerConfig.from_env({"KVSTORE_MAX_MESSAGE_BYTES": "1024"})
