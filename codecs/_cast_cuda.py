@@ -25,7 +25,7 @@ from typing import Any
 
 import cupy
 
-from kvstore.codecs._quant_cuda import QUANT_OPS
+from kvstore.codecs.quantize.cuda_ops import QUANT_OPS
 
 _SOURCE = (
     QUANT_OPS

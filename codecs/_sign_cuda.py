@@ -35,8 +35,8 @@ from typing import Any
 
 import cupy
 
-from kvstore.codecs._quant_cuda import QUANT_OPS
 from kvstore.codecs.quantize import LANES, SUM_BLOCK
+from kvstore.codecs.quantize.cuda_ops import QUANT_OPS
 
 _SOURCE = (
     QUANT_OPS

@@ -7,10 +7,10 @@ points. An encode is two passes over the chunk, because its scales depend on eve
 
 * pass 1 (:func:`split_sums` for ``1bit``, :func:`abs_sum` for ``efsign``) reads the residual
   and the gradient, forms ``p = r + g`` and accumulates the blocked lane sums (see
-  :mod:`kvstore.codecs._quant_numba`) through ``(rows, 32)`` row views, which LLVM vectorizes,
-  into lanes on the stack, which it keeps in vector registers (in L2 cache, ``1bit``: 250 ->
-  190 ps per element, ``efsign``: 155 -> 118, against heap lanes stored and reloaded every
-  row). It writes nothing;
+  :mod:`kvstore.codecs.quantize.numba_kernels`) through ``(rows, 32)`` row views, which LLVM
+  vectorizes, into lanes on the stack, which it keeps in vector registers (in L2 cache,
+  ``1bit``: 250 -> 190 ps per element, ``efsign``: 155 -> 118, against heap lanes stored and
+  reloaded every row). It writes nothing;
 * pass 2 (:func:`apply_signs`) forms ``p`` again (the same float32 operations, the same bits),
   writes the residual ``p - decoded`` and one code bit per element.
 
@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit
 
 import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
-from kvstore.codecs._quant_numba import combine_lanes, lane_sum, stack_lanes
+from kvstore.codecs.quantize.numba_kernels import combine_lanes, lane_sum, stack_lanes
 
 LANES = 32
 SUM_BLOCK = 4096  # kvstore.codecs.quantize.SUM_BLOCK (not imported: that module needs no numba)
@@ -95,7 +95,7 @@ def split_sums(grad, residual, limit=None):
     nblocks = (n + SUM_BLOCK - 1) // SUM_BLOCK
     pos_sums = np.empty(nblocks)
     neg_sums = np.empty(nblocks)
-    # On the stack: the 32 lanes of each stay in registers (see _quant_numba.stack_lanes).
+    # On the stack: the 32 lanes of each stay in registers (see quantize.numba_kernels.stack_lanes).
     pos_lanes = stack_lanes(32, np.float64)
     neg_lanes = stack_lanes(32, np.float64)
     # Counted per lane too: one scalar count would be a horizontal add per row, on one chain.

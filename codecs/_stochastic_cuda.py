@@ -36,8 +36,8 @@ from typing import Any
 
 import cupy
 
-from kvstore.codecs._quant_cuda import QUANT_OPS
 from kvstore.codecs.quantize import SUM_BLOCK
+from kvstore.codecs.quantize.cuda_ops import QUANT_OPS
 
 _WARPS_PER_BLOCK = 8
 _THREADS = 256

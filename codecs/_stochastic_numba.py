@@ -17,8 +17,8 @@ slower): element loops index slices from 0 (``out = codes[:m]; out[k]``: an offs
 values are chains of plain selects rather than nested conditional expressions, and the lane
 loops of the blocked sums step two rows at a time over lanes on the stack (see below).
 
-The generator's uniforms come from :func:`kvstore.codecs._quant_numba.uniform` (its hash in
-32-bit lanes). A building block of their own:
+The generator's uniforms come from :func:`kvstore.codecs.quantize.numba_kernels.uniform` (its
+hash in 32-bit lanes). A building block of their own:
 
 * :func:`load_word` / :func:`store_word` read and write eight bytes at any byte offset, so a
   group of eight ``w``-bit codes (``w`` bytes) moves with one 8-byte access: groups are
@@ -37,7 +37,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 import kvstore.codecs.numba_started  # noqa: F401  (before any function is defined)
-from kvstore.codecs._quant_numba import combine_lanes, lane_sum, stack_lanes, uniform
+from kvstore.codecs.quantize.numba_kernels import combine_lanes, lane_sum, stack_lanes, uniform
 
 LANES = 32
 SUM_BLOCK = 4096  # kvstore.codecs.quantize.SUM_BLOCK
@@ -205,7 +205,7 @@ def _pad_codes(codes, count):
 
 # blocked lane sums ---------------------------------------------------------------------------
 #
-# The lanes are stack arrays (``_quant_numba.stack_lanes``: 32 of them, kept in vector
+# The lanes are stack arrays (``quantize.numba_kernels.stack_lanes``: 32 of them, kept in vector
 # registers across the rows; a bucket narrower than 32 passes a slice of them) and the loops take
 # their trip count from ``lanes.shape[0]``. Two rows per step keep the loop vectorized with a
 # count LLVM sees as the constant 32: one row per step gets fully unrolled into scalar code

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.codecs import _quant_numba as qn
 from kvstore.codecs import codec_from_spec
 from kvstore.codecs.quantize import (
     LANES,
@@ -16,6 +15,7 @@ from kvstore.codecs.quantize import (
     packed_nbytes,
     unpack_codes_reference,
 )
+from kvstore.codecs.quantize import numba_kernels as qn
 from kvstore.errors import CodecError
 
 

@@ -10,9 +10,10 @@ import math
 import numpy as np
 import pytest
 
-from kvstore.codecs import _quant_numba, codec_from_spec, qsgd, terngrad
+from kvstore.codecs import codec_from_spec, qsgd, terngrad
 from kvstore.codecs.counter_rng import key_halves, stream_key, uniforms_reference
 from kvstore.codecs.quantize import ChunkPlace
+from kvstore.codecs.quantize import numba_kernels as quant_numba
 from kvstore.errors import CodecError
 
 M32 = 0xFFFFFFFF
@@ -443,7 +444,7 @@ def test_generator_kernels_match_the_reference():
         for start, count in ((0, 1000), (2**32 - 500, 500), (123_456_789, 77)):
             want = uniforms_reference(key, start, count)
             assert np.array_equal(want, [_uniform(key, start + j) for j in range(count)])
-            for kernel in (_quant_numba.uniforms,):
+            for kernel in (quant_numba.uniforms,):
                 got = np.empty(count, np.float32)
                 kernel(np.uint64(lo), np.uint64(hi), start, got)
                 assert got.tobytes() == want.tobytes(), (key, start, kernel)
