@@ -44,10 +44,10 @@ from kvstore import checkpoint
 from kvstore._malloc import tune_malloc
 from kvstore._version import __version__
 from kvstore.codecs import Codec, Encoder, codec_from_spec, xp
-from kvstore.codecs.base import KeyEncoder, PushQuality, frame_array
+from kvstore.codecs.base import KeyEncoder, PushQuality
 from kvstore.codecs.finite import count_nonfinite
 from kvstore.codecs.identity import IdentityCodec
-from kvstore.codecs.pulled import HeldWeights, pull_applies, pull_codec_from_spec
+from kvstore.codecs.pulled import pull_codec_from_spec
 from kvstore.config import ClusterConfig, WorkerOptions
 from kvstore.errors import (
     CheckpointError,
@@ -64,10 +64,11 @@ from kvstore.errors import (
 )
 from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
-from kvstore.topology import Chunk, Key
-from kvstore.wire import LANE_CONTROL, LANE_DATA, Op, buffer_nbytes
+from kvstore.topology import Key
+from kvstore.wire import LANE_CONTROL, LANE_DATA, Op
 from kvstore.worker import checkpointing as ckpt
 from kvstore.worker import values as vals
+from kvstore.worker.compressed_pulls import held_weights, init_fields
 from kvstore.worker.keys import (
     KeyArg,
     KeyState,
@@ -76,105 +77,13 @@ from kvstore.worker.keys import (
     plan_key,
     servers_on_this_host,
 )
+from kvstore.worker.landing import Landing
+from kvstore.worker.relayed_pulls import relay_limit
 from kvstore.worker.request import Deadline, Request, wait_all
 from kvstore.worker.stats import EncodeClock, TrafficStats
 from kvstore.worker.transport import Transport
 
 logger = logging.getLogger(__name__)
-
-
-class _Landing:
-    """Puts a key's pulled chunks into ``out`` as their replies arrive.
-
-    For host memory the copy runs on the transport's I/O thread as each reply comes in, so the
-    caller wakes once per key instead of once per chunk; GPU targets are filled by the caller.
-    """
-
-    def __init__(self, state: KeyState, out: Any, stats: TrafficStats) -> None:
-        self.state = state
-        self.target = vals.FlatTarget(out)
-        self.itemsize = np.dtype(state.dtype).itemsize
-        self.on_io_thread = not self.target.on_gpu
-        self.stats = stats
-        self._remaining = len(state.chunks)
-        self._lock = threading.Lock()
-        self.all_arrived = threading.Event()
-        self.errors: list[BaseException] = []
-
-    def callback(self, chunk: Chunk) -> Any:
-        """The completion callback of ``chunk``'s request (None when the caller copies)."""
-        if not self.on_io_thread:
-            return None
-
-        def land(request: Request) -> None:
-            try:
-                if request._error is not None:
-                    raise request._error
-                self.write(chunk, request._reply)
-                request.release_payloads()
-            except BaseException as exc:
-                self.errors.append(exc)
-            with self._lock:
-                self._remaining -= 1
-                if self._remaining == 0:
-                    self.all_arrived.set()
-
-        return land
-
-    def write(self, chunk: Chunk, reply: Any) -> None:
-        """Check one reply's size and put its values into ``out``.
-
-        A dense reply is copied; a relayed one (``rl`` pushes) is decoded and summed into place.
-        """
-        relayed = reply.get("rl", 0)
-        if "pc" in reply.fields:
-            nbytes = self._write_compressed(chunk, reply)
-        elif relayed:
-            nbytes = self._write_relay(chunk, reply.payloads, relayed)
-        else:
-            nbytes = chunk.numel * self.itemsize
-            if len(reply.payloads) != 1 or buffer_nbytes(reply.payloads[0]) != nbytes:
-                raise ProtocolError(
-                    f"reply for key {self.state.key!r} chunk {chunk.index} has the wrong size"
-                )
-            values = frame_array(reply.payloads[0], self.state.dtype)
-            self.target.write(chunk.start, chunk.stop, values)
-        self.stats.pulled_bytes += nbytes
-        self.stats.pull_messages += 1
-
-    def _write_compressed(self, chunk: Chunk, reply: Any) -> int:
-        """Apply a compressed pull's reply to the chunk's ``w_pub`` and put ``w_pub`` into
-        place (see :mod:`kvstore.codecs.pulled`)."""
-        state = self.state
-        if state.held is None:
-            raise ProtocolError(
-                f"a compressed reply for key {state.key!r}, whose pulls are not compressed"
-            )
-        held = state.held[chunk.index]
-        try:
-            nbytes = held.apply(reply["pc"], reply["pv"], reply.get("pb", -1), reply.payloads)
-        except CodecError as exc:
-            raise ProtocolError(
-                f"compressed reply for key {state.key!r} chunk {chunk.index}: {exc}"
-            ) from exc
-        self.target.write(chunk.start, chunk.stop, held.w_pub)
-        return nbytes
-
-    def _write_relay(self, chunk: Chunk, frames: Sequence[Any], pushes: int) -> int:
-        state = self.state
-        where = f"relayed reply for key {state.key!r} chunk {chunk.index}"
-        if pushes > state.relay_limits[chunk.index] or len(frames) % pushes:
-            raise ProtocolError(
-                f"{where}: {len(frames)} frames of {pushes} pushes, and at most "
-                f"{state.relay_limits[chunk.index]} pushes were asked for"
-            )
-        per_push = len(frames) // pushes
-        groups = [frames[i : i + per_push] for i in range(0, len(frames), per_push)]
-        try:
-            state.codec.sum_relay(groups, chunk.numel, state.dtype, self.target.region(chunk))
-        except CodecError as exc:
-            raise ProtocolError(f"{where}: {exc}") from exc
-        return sum(buffer_nbytes(frame) for frame in frames)
 
 
 class _RoundTrips:
@@ -586,7 +495,7 @@ class KVStore:
         self._check_open()
         pairs = key_pairs(key, value, "value")
         with self._api_lock:
-            codec = self._codec
+            codec, pull_codec = self._codec, self._pull_codec
             if compression is not None:
                 codec = codec_from_spec(compression)
                 self._check_round_trips(codec)
@@ -606,8 +515,7 @@ class KVStore:
                     self.num_servers,
                     self._servers_on_this_host,
                 )
-                if pull_applies(self._pull_codec, state.dtype):
-                    state.held = [HeldWeights(self._pull_codec, c.numel) for c in state.chunks]
+                state.held = held_weights(pull_codec, state.dtype, state.chunks)
                 states.append((state, v))
             requests = []
             for state, v in states:
@@ -623,8 +531,8 @@ class KVStore:
                         "cd": state.codec.name,
                         "cp": state.codec.params(),
                     }
-                    if state.held is not None:
-                        fields.update(pd=self._pull_codec.name, pp=self._pull_codec.params())
+                    if state.held is not None and pull_codec is not None:
+                        fields.update(init_fields(pull_codec))
                     payloads = [source[chunk.start : chunk.stop]] if source is not None else []
                     requests.append(
                         self._transport.submit(
@@ -637,18 +545,11 @@ class KVStore:
                     )
             wait_all(requests, self._options.timeout)
             for state, _ in states:
-                state.ready([self._relay_limit(state, chunk) for chunk in state.chunks])
+                relays = self._options.pull_relay
+                state.ready(
+                    [relay_limit(relays, self.num_workers, state, chunk) for chunk in state.chunks]
+                )
                 self._keys[state.key] = state
-
-    def _relay_limit(self, state: KeyState, chunk: Chunk) -> int:
-        """How many pushes a relayed pull of ``chunk`` may carry (0: always pull dense).
-
-        Relays are asked for only where this job's rounds (N pushes) fit the codec's limit.
-        """
-        if not self._options.pull_relay:
-            return 0
-        limit = state.codec.relay_limit(chunk.numel, state.dtype)
-        return limit if self.num_workers <= limit else 0
 
     # push / pull -------------------------------------------------------------------------------
 
@@ -723,7 +624,7 @@ class KVStore:
         value: Any,
         op: Op,
         priority: int,
-        landing: _Landing | None = None,
+        landing: Landing | None = None,
         borrow: bool = False,
         deadline: Deadline | None = None,
     ) -> list[Request]:
@@ -869,7 +770,7 @@ class KVStore:
             state.prefetched = None
             state.pulled_after_push = False
 
-    def _pull_requests(self, state: KeyState, landing: _Landing, priority: int) -> list[Request]:
+    def _pull_requests(self, state: KeyState, landing: Landing, priority: int) -> list[Request]:
         """One request per chunk whose reply fills ``landing``: the last push's own, where it
         asked for the values, else a new pull."""
         prefetched, state.prefetched = state.prefetched, None
@@ -884,7 +785,7 @@ class KVStore:
             return prefetched
         return self._submit_pulls(state, landing, priority)
 
-    def _submit_pulls(self, state: KeyState, landing: _Landing, priority: int) -> list[Request]:
+    def _submit_pulls(self, state: KeyState, landing: Landing, priority: int) -> list[Request]:
         """A pull of every chunk of ``state``, following every push sent so far."""
         return [
             self._transport.submit(
@@ -924,7 +825,7 @@ class KVStore:
         deadline = self._deadline()
         pending = []
         for state, o in work:
-            landing = _Landing(state, o, self._stats)
+            landing = Landing(state, o, self._stats)
             pending.append((landing, self._pull_requests(state, landing, priority)))
         self._receive_values(pending, deadline)
 
@@ -950,7 +851,7 @@ class KVStore:
         for state, v, o in work:
             self._forget_unpulled_values(state)  # a pushpull is a push, and its own pull
             state.pushed_since_pull = False
-            landing = _Landing(state, o, self._stats)
+            landing = Landing(state, o, self._stats)
             if state.codec.round_trips > 1:
                 # The last round's reply carries the codec's factors, not the value: push,
                 # then pull (answered once the push's last round is applied).
@@ -964,7 +865,7 @@ class KVStore:
         self._receive_values(pending, deadline)
 
     def _receive_values(
-        self, pending: Iterable[tuple[_Landing, list[Request]]], deadline: Deadline
+        self, pending: Iterable[tuple[Landing, list[Request]]], deadline: Deadline
     ) -> None:
         """Wait for the values of every key of one call, all within the call's ``deadline``."""
         first_error: BaseException | None = None

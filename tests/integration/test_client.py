@@ -184,15 +184,15 @@ def test_replies_landed_by_the_caller_match_their_chunks(servers_factory, monkey
     # GPU targets are filled by the caller, chunk by chunk, from the requests in chunk order,
     # while pushes go out in send order (the slices interleaved): pushpull and a prefetched
     # pull must hand the caller each chunk's own reply. Host memory takes that path here.
-    from kvstore.worker import client as client_module
+    from kvstore.worker import landing as landing_module
 
-    original_init = client_module._Landing.__init__
+    original_init = landing_module.Landing.__init__
 
     def caller_lands(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         self.on_io_thread = False
 
-    monkeypatch.setattr(client_module._Landing, "__init__", caller_lands)
+    monkeypatch.setattr(landing_module.Landing, "__init__", caller_lands)
     addresses = servers_factory(2, 1)
     n = 6_000
     with connect(addresses, bigarray_bound=1000, partition_bytes=4096) as kv:
