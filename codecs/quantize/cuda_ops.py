@@ -1,6 +1,6 @@
-"""CUDA source shared by the quantizing codecs' CuPy kernels (``_sign_cuda``, ``_stochastic_cuda``,
-``_cast_cuda``): the counter generator, the warp and block forms of the blocked lane sum, and
-code packing, bit for bit as :mod:`kvstore.codecs.quantize` and
+"""CUDA source shared by the quantizing codecs' CuPy kernels (the ``cuda_kernels`` modules of
+the sign, stochastic and cast families): the counter generator, the warp and block forms of the
+blocked lane sum, and code packing, bit for bit as :mod:`kvstore.codecs.quantize` and
 :mod:`kvstore.codecs.counter_rng` define them.
 
 Prepend :data:`QUANT_OPS` (it includes :data:`~kvstore.codecs._cuda_ieee.IEEE_OPS`) to a

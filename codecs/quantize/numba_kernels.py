@@ -1,9 +1,9 @@
 """Compiled CPU building blocks of the quantizing codecs (numba, GIL released, cached on disk).
 
 Bit for bit the numpy references of :mod:`kvstore.codecs.quantize` and
-:mod:`kvstore.codecs.counter_rng`; the codecs' own kernels (``_sign_numba``, ``_stochastic_numba``,
-``_cast_numba``) inline them. Compiled without fast-math: every float operation rounds like
-numpy's, in the order written.
+:mod:`kvstore.codecs.counter_rng`; the codecs' own kernels (the ``numba_kernels`` modules of the
+sign, stochastic and cast families) inline them. Compiled without fast-math: every float
+operation rounds like numpy's, in the order written.
 
 A blocked lane sum is written in a kernel as::
 

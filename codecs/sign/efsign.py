@@ -13,7 +13,7 @@ Per chunk of ``n`` elements, with a float32 residual ``r`` (zero at start; state
 
 (:func:`kvstore.codecs.quantize.blocked_sum_reference` defines the blocked lane sum: each
 ``abs(p[j])``, an exact float32, widened to float64 and added in one fixed order.) It is the
-sign quantizer of :mod:`kvstore.codecs.onebit` with the levels ``s`` and ``-s``, and shares its
+sign quantizer of :mod:`kvstore.codecs.sign.onebit` with the levels ``s`` and ``-s``, and shares its
 encoder, kernels and server decode.
 
 The residual is in gradient units: the workers push raw gradients and the server's optimizer
@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore.codecs.onebit import (
+from kvstore.codecs.quantize import blocked_sum_reference
+from kvstore.codecs.sign.onebit import (
     SignCodec,
     apply_signs_reference,
     mean_or_zero,
     saturated_sum_reference,
 )
-from kvstore.codecs.quantize import blocked_sum_reference
 
 
 def mean_abs_reference(p: np.ndarray) -> np.float32:
@@ -79,6 +79,6 @@ class EFSignCodec(SignCodec):
     def encode_compiled(
         self, grad: np.ndarray, residual: np.ndarray, codes: np.ndarray
     ) -> tuple[float, ...]:
-        from kvstore.codecs import _sign_numba  # noqa: PLC0415  (compiles on first use)
+        from kvstore.codecs.sign import numba_kernels  # noqa: PLC0415  (compiles on first use)
 
-        return (_sign_numba.encode_efsign(grad, residual, codes),)
+        return (numba_kernels.encode_efsign(grad, residual, codes),)

@@ -1,6 +1,6 @@
 """CuPy (CUDA) kernels of the sign quantizers ``1bit`` and ``efsign``: the payload bytes and the
-residual bits of the numpy references (:mod:`kvstore.codecs.onebit`,
-:mod:`kvstore.codecs.efsign`).
+residual bits of the numpy references (:mod:`kvstore.codecs.sign.onebit`,
+:mod:`kvstore.codecs.sign.efsign`).
 
 An encode is three launches on the current stream, with no host round trip:
 

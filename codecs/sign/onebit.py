@@ -47,8 +47,8 @@ Worked example (zero residual)::
 
 Three implementations give the same payload bytes and residual bits on any finite input: the
 numpy references below (:func:`encode_reference`, :func:`decode_reference`), the numba kernels
-of :mod:`kvstore.codecs._sign_numba` (the default; ``KVSTORE_CPU_KERNELS=numpy`` selects the
-references) and the CuPy kernels of :mod:`kvstore.codecs._sign_cuda` for GPU values.
+of :mod:`kvstore.codecs.sign.numba_kernels` (the default; ``KVSTORE_CPU_KERNELS=numpy`` selects the
+references) and the CuPy kernels of :mod:`kvstore.codecs.sign.cuda_kernels` for GPU values.
 """
 
 from __future__ import annotations
@@ -174,11 +174,11 @@ class SignEncoder(QuantizerEncoder):
         )
 
     def encode_cuda(self, values: Any, frames: list[Any]) -> None:
-        from kvstore.codecs import _sign_cuda  # noqa: PLC0415  (needs CuPy)
+        from kvstore.codecs.sign import cuda_kernels  # noqa: PLC0415  (needs CuPy)
 
         if self._partials is None:
-            self._partials = _sign_cuda.partials_for(self.numel, self.codec.symmetric)
-        _sign_cuda.encode(
+            self._partials = cuda_kernels.partials_for(self.numel, self.codec.symmetric)
+        cuda_kernels.encode(
             values, self.residual, frames[0], frames[1], self.codec.symmetric, self._partials
         )
 
@@ -233,9 +233,9 @@ class SignCodec(QuantizerCodec):
         hi, lo = self.levels(scales)
         codes = np.frombuffer(frames[1], dtype=np.uint8)
         if cpu_implementation(implementation) == "numba":
-            from kvstore.codecs import _sign_numba  # noqa: PLC0415  (compiles on first use)
+            from kvstore.codecs.sign import numba_kernels  # noqa: PLC0415  (compiles on first use)
 
-            _sign_numba.decode(codes, numel, hi, lo, out, accumulate)
+            numba_kernels.decode(codes, numel, hi, lo, out, accumulate)
         else:
             decode_reference(codes, numel, hi, lo, out, accumulate)
 
@@ -256,6 +256,6 @@ class OneBitCodec(SignCodec):
     def encode_compiled(
         self, grad: np.ndarray, residual: np.ndarray, codes: np.ndarray
     ) -> tuple[float, ...]:
-        from kvstore.codecs import _sign_numba  # noqa: PLC0415  (compiles on first use)
+        from kvstore.codecs.sign import numba_kernels  # noqa: PLC0415  (compiles on first use)
 
-        return _sign_numba.encode_onebit(grad, residual, codes)
+        return numba_kernels.encode_onebit(grad, residual, codes)

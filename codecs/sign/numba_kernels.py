@@ -1,8 +1,8 @@
 """Compiled CPU kernels of the sign quantizers ``1bit`` and ``efsign`` (numba, GIL released,
 cached on disk, no fast-math).
 
-Bit for bit the numpy references of :mod:`kvstore.codecs.onebit` and
-:mod:`kvstore.codecs.efsign`; :func:`encode_onebit` and :func:`encode_efsign` are the entry
+Bit for bit the numpy references of :mod:`kvstore.codecs.sign.onebit` and
+:mod:`kvstore.codecs.sign.efsign`; :func:`encode_onebit` and :func:`encode_efsign` are the entry
 points. An encode is two passes over the chunk, because its scales depend on every element:
 
 * pass 1 (:func:`split_sums` for ``1bit``, :func:`abs_sum` for ``efsign``) reads the residual
@@ -33,7 +33,7 @@ packed with one multiply: the top byte of ``v * 0x0102040810204080`` is
 partial products land on distinct bits, so nothing carries). Decoding spreads a code byte back
 into eight bit bytes with a 256-entry table. Loops index slices of the arrays (views), not
 offsets into the whole arrays: LLVM vectorizes the former only. The uint64 views need a
-little-endian machine; :func:`kvstore.codecs.onebit.cpu_implementation` falls back to the
+little-endian machine; :func:`kvstore.codecs.sign.onebit.cpu_implementation` falls back to the
 reference elsewhere.
 """
 
