@@ -1,0 +1,280 @@
+"""The collectives: requests answered once every worker of the job made the same call.
+
+* ``barrier`` (kept by server 0): answered when all N workers are in it.
+* ``set_optimizer``: answered when all N workers asked for the same optimizer (equal
+  arguments); the optimizer then updates every key of the job on this server
+  (:mod:`kvstore.server.optimizers`).
+* ``save_checkpoint`` and ``load_checkpoint`` (SAVE, LOAD): carried out once all N workers made
+  the same call, only while no round is in flight; the file format and the manifest are
+  :mod:`kvstore.checkpoint`, this shard's part :mod:`kvstore.server.checkpointing`.
+
+A collective needs every rank: while one is lost (:mod:`kvstore.server.membership`) each fails
+with WORKER_LOST, and those already gathered fail when a rank is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from kvstore import checkpoint
+from kvstore.errors import CheckpointError, CodecError, ErrorCode
+from kvstore.optimizer_spec import make_optimizer_spec
+from kvstore.server import checkpointing
+from kvstore.server.chunk import ChunkState, PendingReply
+from kvstore.server.errors import RequestError
+from kvstore.server.job import CheckpointCall, Job, ServerState
+from kvstore.server.optimizers import make_optimizer
+from kvstore.server.published import PublishedValue
+from kvstore.server.replies import Replies
+from kvstore.server.work import WorkRunner
+from kvstore.wire import Message, Op
+
+logger = logging.getLogger(__name__)
+
+
+class Collectives:
+    """Barriers, set_optimizer and checkpoints of the job.
+
+    Args:
+        state: the server's shared state.
+        replies: the server's reply sender.
+        work: runs checkpoint I/O on the thread pool.
+    """
+
+    def __init__(self, state: ServerState, replies: Replies, work: WorkRunner) -> None:
+        self._state = state
+        self._replies = replies
+        self._work = work
+
+    # barrier and optimizer ---------------------------------------------------------------------
+
+    def on_barrier(self, identity: bytes, rank: int, msg: Message) -> None:
+        """Hold the worker in the barrier; release every worker when all N are in."""
+        if self._state.config.server_rank != 0:
+            raise RequestError(ErrorCode.WRONG_SERVER, "barriers are kept by server 0")
+        job = self._state.job
+        job.require_all_ranks("the barrier")
+        if rank in job.barrier:
+            raise RequestError(ErrorCode.BAD_VALUE, f"rank {rank} is already in the barrier")
+        job.barrier[rank] = PendingReply(identity, msg.rid, rank, False, Op.BARRIER)
+        if len(job.barrier) == self._state.config.num_workers:
+            arrived, job.barrier = job.barrier, {}
+            for reply in arrived.values():
+                self._replies.ack(reply)
+
+    def on_set_optimizer(self, identity: bytes, rank: int, msg: Message) -> None:
+        """Gather the workers' optimizer proposals; set it once all N asked for the same."""
+        spec = make_optimizer_spec(msg["opt"], msg["hp"])
+        job = self._state.job
+        for codec in {chunk.codec for chunk in job.chunks.values()}:
+            try:  # e.g. momentum on the servers for DGC, which applies it on the workers
+                codec.check_optimizer(spec.name, spec.params)
+            except CodecError as exc:
+                raise RequestError(ErrorCode.OPTIMIZER, str(exc)) from exc
+        if rank in job.rejoined:
+            # A replacement runs its script from the top: its first set_optimizer, equal to
+            # the job's optimizer, is a no-op that waits for nobody (the others made it long ago).
+            job.rejoined.discard(rank)
+            if job.optimizer is not None and job.optimizer.spec == spec and not job.proposals:
+                self._replies.ack(PendingReply(identity, msg.rid, rank, False, Op.SET_OPTIMIZER))
+                return
+        job.require_all_ranks("set_optimizer")
+        if rank in job.proposals:
+            raise RequestError(
+                ErrorCode.OPTIMIZER, f"rank {rank} already called set_optimizer and is waiting"
+            )
+        for other_rank, (other, _) in job.proposals.items():
+            if other != spec:
+                raise RequestError(
+                    ErrorCode.OPTIMIZER,
+                    f"rank {rank} asked for optimizer {spec!r} but rank {other_rank} asked for "
+                    f"{other!r}: every worker must call set_optimizer with the same arguments",
+                )
+        reply = PendingReply(identity, msg.rid, rank, False, Op.SET_OPTIMIZER)
+        job.proposals[rank] = (spec, reply)
+        if len(job.proposals) < self._state.config.num_workers:
+            return
+        proposals, job.proposals = job.proposals, {}
+        job.optimizer = make_optimizer(spec)
+        logger.info("optimizer set: %r", spec)
+        for _, reply in proposals.values():
+            self._replies.ack(reply)
+
+    def worker_lost(self, rank: int) -> None:
+        """Fail the collectives being gathered: they wait for every rank (the lost one's own
+        entry is told too: a stalled worker reads it when it wakes up)."""
+        job = self._state.job
+        barrier, job.barrier = job.barrier, {}
+        for reply in barrier.values():
+            self._replies.worker_lost(reply, rank, "the barrier")
+        proposals, job.proposals = job.proposals, {}
+        for _, reply in proposals.values():
+            self._replies.worker_lost(reply, rank, "set_optimizer")
+        call, job.checkpoint = job.checkpoint, None
+        if call is not None:
+            for reply in call.replies.values():
+                self._replies.worker_lost(reply, rank, call.describe())
+
+    # checkpoints -------------------------------------------------------------------------------
+
+    def on_checkpoint(self, identity: bytes, rank: int, msg: Message) -> None:
+        """SAVE and LOAD: collective; acted on once all N workers made the same call.
+
+        SAVE writes this server's shard into the staging directory ``p`` (rank 0 then writes
+        the manifest and renames the directory: :mod:`kvstore.checkpoint`). LOAD phase 0 reads
+        and checks the checkpoint at ``p`` and stages it, phase 1 commits it, phase 2 drops it:
+        every worker commits only after every server's phase 0 succeeded, so a load happens
+        everywhere or nowhere. Each is carried out only while no round is in flight (between
+        steps), else every worker gets a ``checkpoint`` error saying what was in flight.
+        """
+        job = self._state.job
+        phase = msg["ph"] if msg.op is Op.LOAD else 0
+        if phase > 2:
+            raise RequestError(ErrorCode.BAD_MESSAGE, f"LOAD phase {phase} is not 0, 1 or 2")
+        job.require_all_ranks("a checkpoint")  # (a collective: it would wait for them)
+        if job.checkpoint_busy:
+            raise RequestError(
+                ErrorCode.CHECKPOINT, f"rank {rank}: a checkpoint is being written or read"
+            )
+        call = job.checkpoint or CheckpointCall(msg.op, phase, msg["p"])
+        job.require_all_ranks(call.describe())
+        if (call.op, call.phase, call.path) != (msg.op, phase, msg["p"]):
+            other = CheckpointCall(msg.op, phase, msg["p"])
+            raise RequestError(
+                ErrorCode.CHECKPOINT,
+                f"rank {rank} called {other.describe()} but rank(s) {sorted(call.replies)} "
+                f"called {call.describe()}: every worker makes the same checkpoint calls",
+            )
+        if rank in call.replies:
+            raise RequestError(ErrorCode.CHECKPOINT, f"rank {rank} is already in this call")
+        job.checkpoint = call
+        call.replies[rank] = PendingReply(identity, msg.rid, rank, False, msg.op)
+        if "er" in msg.fields:
+            call.errors[rank] = msg["er"]
+        if len(call.replies) == self._state.config.num_workers:
+            job.checkpoint = None
+            job.checkpoint_busy = True
+            self._work.spawn(self._carry_out_checkpoint(job, call))
+
+    async def _carry_out_checkpoint(self, job: Job, call: CheckpointCall) -> None:
+        error: BaseException | None = None
+        try:
+            if call.errors:
+                failed = call.errors.items()
+                raise CheckpointError(
+                    "; ".join(f"rank {r} could not do its part: {text}" for r, text in failed)
+                )
+            if call.op is Op.SAVE:
+                await self._save_shard(job, call.path)
+            elif call.phase == 0:
+                await self._prepare_load(job, call.path)
+            elif call.phase == 1:
+                await self._commit_load(job)
+        except Exception as exc:
+            error = exc
+        finally:
+            job.checkpoint_busy = False
+            if error is not None or call.op is Op.SAVE or call.phase != 0:
+                job.staged_load = None  # (a failed phase 0, a commit, an abort)
+        code = ErrorCode.CHECKPOINT
+        if error is not None and not isinstance(error, CheckpointError | OSError):
+            logger.error("%s failed", call.describe(), exc_info=error)
+            code = ErrorCode.INTERNAL
+        elif error is not None:
+            logger.warning("%s refused: %s", call.describe(), error)
+        else:
+            logger.info("%s done", call.describe())
+        for reply in call.replies.values():
+            if error is None:
+                self._replies.ack(reply)
+            else:
+                self._replies.error(reply.identity, reply.rid, reply.op, code, str(error))
+
+    def _check_quiescent(self, job: Job, what: str) -> list[ChunkState]:
+        """The job's chunks, after checking that nothing is in flight on any of them."""
+        chunks = list(job.chunks.values())
+        problem = checkpointing.busy_reason(chunks)
+        if problem is None and (job.barrier or job.proposals):
+            problem = "a barrier or set_optimizer is waiting for workers"
+        if problem is not None:
+            raise CheckpointError(
+                f"cannot {what} on server {self._state.config.server_rank}: {problem}; call it "
+                f"between steps, once every worker's pushes were pulled"
+            )
+        return chunks
+
+    async def _save_shard(self, job: Job, path: str) -> None:
+        cfg = self._state.config
+        chunks = self._check_quiescent(job, "save a checkpoint")
+        info = {
+            "server_rank": cfg.server_rank,
+            "num_servers": cfg.num_servers,
+            "num_workers": cfg.num_workers,
+            "mode": job.mode,
+            "optimizer": checkpointing.optimizer_entry(job.optimizer),
+        }
+        async with _all_locked(chunks):  # (free: quiescent) pushes that sneak in wait
+            arrays, meta = checkpointing.snapshot(chunks, info)
+            await self._work.in_pool(
+                checkpoint.write_part,
+                path,
+                checkpoint.server_file(cfg.server_rank),
+                arrays,
+                meta,
+            )
+
+    async def _prepare_load(self, job: Job, path: str) -> None:
+        cfg = self._state.config
+        chunks = self._check_quiescent(job, "load a checkpoint")
+        job.staged_load = await self._work.in_pool(
+            lambda: checkpointing.prepare_load(
+                path,
+                chunks,
+                job.optimizer,
+                server_rank=cfg.server_rank,
+                num_servers=cfg.num_servers,
+                num_workers=cfg.num_workers,
+                mode=job.mode,
+            ),
+        )
+
+    async def _commit_load(self, job: Job) -> None:
+        staged, job.staged_load = job.staged_load, None
+        if staged is None:
+            raise CheckpointError("no load was prepared (phase 0 failed or was not called)")
+        self._check_quiescent(job, "load a checkpoint")
+        chunks = [restore[0] for restore in staged.restores]
+        async with _all_locked(chunks):
+            values = [_published(chunk) for chunk in chunks]
+            spares = [value.spare() for value in values]
+            await self._work.in_pool(staged.apply, spares)
+            for value, spare in zip(values, spares, strict=True):
+                value.publish(spare)
+        if staged.optimizer is not None:
+            job.optimizer = staged.optimizer
+        logger.info("loaded %d chunk(s) from %s", len(chunks), staged.path)
+
+
+def _published(chunk: ChunkState) -> PublishedValue:
+    """The published value of ``chunk``, which a checkpoint only restores once initialised."""
+    assert chunk.value is not None
+    return chunk.value
+
+
+@contextlib.asynccontextmanager
+async def _all_locked(chunks: list[ChunkState]) -> AsyncIterator[None]:
+    """Hold the locks of ``chunks`` (in list order; free when the chunks are quiescent)."""
+    held = []
+    try:
+        for chunk in chunks:
+            await chunk.lock.acquire()
+            held.append(chunk)
+        yield
+    finally:
+        for chunk in held:
+            chunk.lock.release()
+
+
+__all__ = ["Collectives"]
