@@ -480,3 +480,13 @@ def positive_float32(codec: str, name: str, value: Any) -> float:
     if not math.isfinite(float(value)) or not as32 > 0 or not math.isfinite(as32):
         raise CodecError(f"codec {codec!r}: {name} must be a finite number > 0, got {value!r}")
     return as32
+
+
+def seed_param(codec: str, value: Any) -> int:
+    """A non-negative integer below 2**63."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise CodecError(f"codec {codec!r}: seed must be an integer, got {value!r}")
+    value = int(value)
+    if not 0 <= value < 2**63:
+        raise CodecError(f"codec {codec!r}: seed must be in [0, 2**63), got {value!r}")
+    return value

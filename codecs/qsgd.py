@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.codecs.base import seed_param
 from kvstore.codecs.counter_rng import key_halves, uniforms_reference
 from kvstore.codecs.quantize import (
     LANES,
@@ -62,7 +63,6 @@ from kvstore.codecs.quantize import (
     pack_codes_reference,
     unpack_codes_reference,
 )
-from kvstore.codecs.sparse import seed_param
 from kvstore.codecs.terngrad import compiled_kernels_usable
 from kvstore.errors import CodecError
 

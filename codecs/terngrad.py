@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.codecs.base import seed_param
 from kvstore.codecs.counter_rng import key_halves, uniforms_reference
 from kvstore.codecs.quantize import (
     ChunkPlace,
@@ -55,7 +56,6 @@ from kvstore.codecs.quantize import (
     pack_codes_reference,
     unpack_codes_reference,
 )
-from kvstore.codecs.sparse import seed_param
 from kvstore.errors import CodecError
 
 PURPOSE = 11

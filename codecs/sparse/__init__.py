@@ -400,16 +400,6 @@ def fraction_param(codec: str, value: Any, name: str) -> float:
     return value
 
 
-def seed_param(codec: str, value: Any) -> int:
-    """A non-negative integer below 2**63."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise CodecError(f"codec {codec!r}: seed must be an integer, got {value!r}")
-    value = int(value)
-    if not 0 <= value < 2**63:
-        raise CodecError(f"codec {codec!r}: seed must be in [0, 2**63), got {value!r}")
-    return value
-
-
 # encoders --------------------------------------------------------------------------------------
 
 

@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.codecs.base import seed_param
 from kvstore.codecs.counter_rng import counter_hash, hash32
 from kvstore.codecs.sparse import (
     RANDOM,
     Selection,
     SparseCodec,
     ratio_param,
-    seed_param,
     top_count,
 )
 from kvstore.errors import CodecError
