@@ -15,10 +15,8 @@ the round's result even though pulls travel on a connection of their own. Errors
 push are raised by the next call that waits on it: a later push or pull of the same key,
 ``barrier`` or ``close``.
 
-Codecs with several round trips per step (PowerSGD: push P, get the servers' P_hat, push Q, get
-Q_sum) use the same machinery: a chunk's push is a chain of plain pushes (:class:`_RoundTrips`)
-that the client tracks as one request, and each round counts as one of the chunk's pushes, so a
-pull waits, on its server, for the step's last round.
+Codecs with several round trips per step (PowerSGD) push each chunk as a chain of plain
+pushes tracked as one (:mod:`kvstore.worker.round_trips`).
 
 With ``KVSTORE_METRICS_PORT`` (``options.metrics``) the store serves Prometheus metrics
 (:mod:`kvstore.metrics`) until it closes: the transport counts the traffic, and on one push of a
@@ -34,18 +32,14 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from kvstore import checkpoint
 from kvstore._malloc import tune_malloc
 from kvstore._version import __version__
-from kvstore.codecs import Codec, Encoder, codec_from_spec, xp
-from kvstore.codecs.base import KeyEncoder, PushQuality
-from kvstore.codecs.finite import count_nonfinite
+from kvstore.codecs import Codec, codec_from_spec, xp
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.codecs.pulled import pull_codec_from_spec
 from kvstore.config import ClusterConfig, WorkerOptions
@@ -54,12 +48,9 @@ from kvstore.errors import (
     CodecError,
     ConnectionLostError,
     DuplicateInitError,
-    KeyNotInitializedError,
     KVStoreError,
     KVStoreTimeoutError,
-    NonFiniteError,
     OptimizerError,
-    ProtocolError,
     UsageError,
 )
 from kvstore.metrics import WorkerMetrics
@@ -67,6 +58,7 @@ from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
 from kvstore.topology import Key
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Op
 from kvstore.worker import checkpointing as ckpt
+from kvstore.worker import prefetch
 from kvstore.worker import values as vals
 from kvstore.worker.compressed_pulls import held_weights, init_fields
 from kvstore.worker.keys import (
@@ -78,111 +70,14 @@ from kvstore.worker.keys import (
     servers_on_this_host,
 )
 from kvstore.worker.landing import Landing
+from kvstore.worker.pushes import Pushes
 from kvstore.worker.relayed_pulls import relay_limit
 from kvstore.worker.request import Deadline, Request, wait_all
-from kvstore.worker.stats import EncodeClock, TrafficStats
+from kvstore.worker.stats import TrafficStats
+from kvstore.worker.store_state import StoreState
 from kvstore.worker.transport import Transport
 
 logger = logging.getLogger(__name__)
-
-
-class _RoundTrips:
-    """One chunk's push of a codec that takes several round trips per step, as one request.
-
-    The client keeps each chunk's last push as a request (later pushes, pulls, ``barrier``
-    and ``close`` wait on it), so the step is a :class:`Request` of its own, :attr:`step`,
-    that is never sent: it completes with the final round's reply, or fails with the first
-    failing round's error. Every round is a plain PUSH. Its reply arrives on the transport's
-    I/O thread, which runs the encoder there: an intermediate round's frames become the next
-    round's payload (:meth:`Encoder.next_round`), submitted from the same thread; the final
-    round's acknowledgement ends the encoder's step (:meth:`Encoder.end_step`). The chunk is
-    encoded again only after :attr:`step` completed, so the encoder is never used by two
-    threads at once.
-    """
-
-    def __init__(
-        self,
-        transport: Transport,
-        stats: TrafficStats,
-        encoder: Encoder,
-        server: int,
-        fields: dict[str, Any],
-        priority: int,
-        order_key: Any,
-        what: str,
-    ) -> None:
-        self._transport = transport
-        self._stats = stats
-        self._encoder = encoder
-        self._server = server
-        self._fields = fields
-        self._priority = priority
-        self._order_key = order_key
-        self._what = what
-        self._rounds = encoder.round_trips
-        self._round = 0
-        self.step: Request = Request(0, server, Op.PUSH, what, 0)
-
-    def start(self, payloads: list[Any]) -> Request:
-        """Send the first round's ``payloads``; returns :attr:`step`."""
-        first = self._submit(payloads)
-        if first is not None:
-            self.step.nbytes = first.nbytes
-        return self.step
-
-    def _submit(self, payloads: list[Any]) -> Request | None:
-        self._round += 1
-        try:
-            return self._transport.submit(
-                self._server,
-                Op.PUSH,
-                self._fields,
-                payloads,
-                priority=self._priority,
-                order_key=self._order_key,
-                what=f"{self._what} (round {self._round} of {self._rounds})",
-                on_done=self._on_reply,
-            )
-        except KVStoreError as exc:  # the store closed under us
-            self.step._complete(None, exc)
-            return None
-
-    def _on_reply(self, request: Request) -> None:
-        if request._error is not None:
-            self.step._complete(None, request._error)
-            return
-        reply = request._reply
-        assert reply is not None
-        began = time.perf_counter()
-        try:
-            if self._round < self._rounds:
-                payloads = self._encoder.next_round(reply.payloads)
-            else:
-                self._encoder.end_step(reply.payloads)
-        except Exception as exc:  # (a CodecError: a reply this encoder cannot use)
-            self.step._complete(
-                None, ProtocolError(f"{self._what}: the reply to round {self._round}: {exc}")
-            )
-            return
-        finally:
-            self._stats.encode_seconds += time.perf_counter() - began
-            request.release_payloads()
-        if self._round == self._rounds:
-            self.step._complete(reply, None)
-            return
-        sent = self._submit(payloads)
-        if sent is not None:
-            self._stats.pushed_bytes += sent.nbytes
-            self._stats.push_messages += 1
-
-
-def _reworded(exc: BaseException, message: str) -> BaseException:
-    """A copy of ``exc`` that says ``message`` and keeps its attributes (a lost worker's rank,
-    a server's error code)."""
-    copy = type(exc).__new__(type(exc), message)
-    copy.__dict__.update(exc.__dict__)
-    copy.args = (message,)
-    return copy
 
 
 class KVStore:
@@ -217,38 +112,54 @@ class KVStore:
         self._pull_codec: Codec | None = None  # compressed pulls (set_pull_compression)
         # Every worker reads the same addresses, so every worker plans the same chunks.
         self._servers_on_this_host = servers_on_this_host(cluster.servers)
-        self._keys: dict[Key, KeyState] = {}
-        self._optimizer: OptimizerSpec | None = None
-        self._stats = TrafficStats()
         self._api_lock = threading.RLock()
         self._closed = False
         self._on_close = on_close
         tune_malloc()  # ZeroMQ's receive buffers get reused instead of page-faulted back
         identity = f"w{cluster.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         metrics_config = self._options.metrics
-        self._metrics: WorkerMetrics | None = None
+        metrics: WorkerMetrics | None = None
         if metrics_config is not None:  # before the transport, which counts into it
-            self._metrics = WorkerMetrics(metrics_config, cluster.rank, cluster.num_servers)
+            metrics = WorkerMetrics(metrics_config, cluster.rank, cluster.num_servers)
+        lead, tos = self._options.push_lead, self._options.push_tos
+        assert lead is not None and tos is not None  # (for_job filled them in)
         try:
-            self._transport = Transport(
+            transport = Transport(
                 cluster.servers,
                 identity,
                 context,
                 window_bytes=2 * self._options.partition_bytes,
-                lead_chunks=self._options.push_lead,
-                tos=self._options.push_tos,
+                lead_chunks=lead,
+                tos=tos,
                 queue_seconds=self._options.send_queue_ms / 1000,
-                metrics=self._metrics,
+                metrics=metrics,
                 curve=self._options.curve,
                 heartbeat_timeout=self._options.heartbeat_timeout,
             )
         except BaseException:
-            self._close_metrics()
+            if metrics is not None:
+                metrics.close()
             raise
-        if self._metrics is not None:
+        # What the parts share; the store keeps its keys and transport at hand too.
+        self._shared = StoreState(
+            mode,
+            cluster.rank,
+            cluster.num_workers,
+            cluster.num_servers,
+            self._options,
+            transport,
+            TrafficStats(),
+            {},
+            metrics,
+        )
+        self._keys = self._shared.keys
+        self._transport = transport
+        self._stats = self._shared.stats
+        self._pushes = Pushes(self._shared)
+        if metrics is not None:
             stats = self._stats
-            self._metrics.watch(
-                lambda: (stats.pushed_bytes, stats.pushed_raw_bytes), self._transport.queue_depths
+            metrics.watch(
+                lambda: (stats.pushed_bytes, stats.pushed_raw_bytes), transport.queue_depths
             )
         try:
             self._handshake()
@@ -320,8 +231,8 @@ class KVStore:
                 on_close()
 
     def _close_metrics(self) -> None:
-        if self._metrics is not None:
-            metrics, self._metrics = self._metrics, None
+        metrics, self._shared.metrics = self._shared.metrics, None
+        if metrics is not None:
             metrics.close()
 
     def close(self) -> None:
@@ -336,7 +247,7 @@ class KVStore:
         error: BaseException | None = None
         deadline = self._deadline()
         try:
-            self._wait_pushes(deadline=deadline)
+            self._pushes.wait_all(deadline=deadline)
         except KVStoreError as exc:
             error = exc
         try:
@@ -366,9 +277,8 @@ class KVStore:
             raise UsageError("this KVStore is closed")
 
     def _deadline(self) -> Deadline:
-        """The deadline of a blocking call starting now: ``KVSTORE_TIMEOUT`` bounds each call
-        as a whole, however many keys, chunks and requests it waits for."""
-        return Deadline(self._options.timeout)
+        """The deadline of a blocking call starting now (see :meth:`StoreState.deadline`)."""
+        return self._shared.deadline()
 
     # configuration -----------------------------------------------------------------------------
 
@@ -389,9 +299,7 @@ class KVStore:
         with self._api_lock:
             self._check_before_init("set_gradient_compression")
             codec = codec_from_spec(compression_params)
-            self._check_round_trips(codec)
-            if self._optimizer is not None:  # e.g. DGC after an optimizer with momentum
-                codec.check_optimizer(self._optimizer.name, self._optimizer.params)
+            self._check_codec(codec)
             self._codec = codec
 
     def set_pull_compression(self, spec: dict[str, Any]) -> None:
@@ -426,13 +334,17 @@ class KVStore:
             some = ", ".join(repr(k) for k in list(self._keys)[:5])
             raise UsageError(f"{call} must be called before init; keys already initialised: {some}")
 
-    def _check_round_trips(self, codec: Codec) -> None:
-        """Refuse a codec with several round trips per step in ``dist_async``."""
+    def _check_codec(self, codec: Codec) -> None:
+        """Refuse a codec with several round trips per step in ``dist_async``, or one the
+        optimizer already set cannot work with (e.g. DGC under server momentum)."""
         if codec.round_trips > 1 and self.type == "dist_async":
             raise CodecError(
                 f"codec {codec.name!r} needs {codec.round_trips} round trips per step, which "
                 f"only dist_sync provides (dist_async applies each push on arrival)"
             )
+        optimizer = self._shared.optimizer
+        if optimizer is not None:
+            codec.check_optimizer(optimizer.name, optimizer.params)
 
     def set_optimizer(self, name: str, **hyperparameters: Any) -> None:
         """Run an optimizer on the servers; pulls then return updated weights.
@@ -469,7 +381,7 @@ class KVStore:
             for s in range(self.num_servers)
         ]
         wait_all(requests, self._options.timeout)
-        self._optimizer = spec
+        self._shared.optimizer = spec
 
     # init ----------------------------------------------------------------------------------------
 
@@ -498,9 +410,7 @@ class KVStore:
             codec, pull_codec = self._codec, self._pull_codec
             if compression is not None:
                 codec = codec_from_spec(compression)
-                self._check_round_trips(codec)
-                if self._optimizer is not None:  # e.g. DGC under server momentum
-                    codec.check_optimizer(self._optimizer.name, self._optimizer.params)
+                self._check_codec(codec)
             states = []
             for k, v in pairs:
                 if k in self._keys:
@@ -554,155 +464,10 @@ class KVStore:
     # push / pull -------------------------------------------------------------------------------
 
     def _state(self, key: Key) -> KeyState:
-        state = self._keys.get(key)
-        if state is None:
-            raise KeyNotInitializedError(
-                f"key {key!r} is not initialised; call kv.init({key!r}, value) on every worker "
-                f"first"
-            )
-        return state
-
-    def _check_finite(self, work: Sequence[tuple[KeyState, Any]]) -> None:
-        """Refuse pushed float values that hold NaN or an infinity, before anything of the call
-        is encoded or sent (``KVSTORE_ALLOW_NONFINITE=1`` skips the check).
-
-        One read of each value (:mod:`kvstore.codecs.finite`): a NaN would otherwise reach the
-        servers' sums or stay in a 2-bit residual for good, where it sends nothing again.
-        """
-        if self._options.allow_nonfinite:
-            return
-        for state, value in work:
-            if not state.dtype.startswith("float"):
-                continue
-            with vals.device_stream(value):
-                bad = count_nonfinite(vals.flat_source(value))
-            if bad:
-                raise NonFiniteError(
-                    f"the value pushed for {state.describe()} holds {bad} NaN or infinite "
-                    f"element(s) of {state.numel}; nothing of this call was pushed and no "
-                    f"residual changed (KVSTORE_ALLOW_NONFINITE=1 pushes them as they are)"
-                )
-
-    def _key_encoder(self, state: KeyState, source: Any) -> KeyEncoder:
-        """The key's encoder for values on ``source``'s device (made on first use, with the
-        state a checkpoint load left waiting for it)."""
-        device = vals.gpu_device_of(source)
-        key_encoder = state.key_encoder
-        if key_encoder is None or state.encoder_device != device:
-            if key_encoder is not None:
-                # The residuals live where the values live; moving devices starts them over.
-                logger.warning("%s moved between host and GPU; residuals reset", state.describe())
-                state.restored = None
-            state.encoder_device = device
-            key_encoder = state.new_key_encoder(device, self.rank)
-            for encoder in key_encoder.chunks:  # named in the encoders' warnings
-                encoder.label = state.describe()
-            if state.restored is not None:  # from load_checkpoint
-                for encoder, saved in zip(key_encoder.chunks, state.restored, strict=True):
-                    if saved is not None:
-                        encoder.load_state(saved)
-                state.restored = None
-            state.key_encoder = key_encoder
-            state.encoders = list(key_encoder.chunks)
-        return key_encoder
-
-    def _wait_push(self, state: KeyState, index: int, deadline: Deadline | None = None) -> None:
-        """Wait for the last push of ``state``'s chunk ``index`` (within the call's
-        ``deadline``; None: a call of its own) and raise its error."""
-        previous = state.last_push[index]
-        if previous is None:
-            return
-        state.last_push[index] = None
-        try:
-            previous.wait(deadline if deadline is not None else self._deadline())
-        except KVStoreError as exc:
-            raise _reworded(exc, f"an earlier push of {state.describe()} failed: {exc}") from exc
-
-    def _send_pushes(
-        self,
-        state: KeyState,
-        value: Any,
-        op: Op,
-        priority: int,
-        landing: Landing | None = None,
-        borrow: bool = False,
-        deadline: Deadline | None = None,
-    ) -> list[Request]:
-        """Encode and send every chunk of ``value`` (in the key's send order); returns the
-        requests in chunk order. With ``borrow``, chunks whose codec can send the values as
-        they are (dense host values) are sent from ``value``'s memory, not copied. A chunk's
-        previous push is waited for within ``deadline`` (None: one from now)."""
-        if deadline is None:
-            deadline = self._deadline()
-        source = vals.flat_source(value)
-        requests: list[Any] = [None] * len(state.chunks)  # every slot filled below
-        metrics = self._metrics
-        measured: list[PushQuality | None] | None = None
-        if metrics is not None and metrics.measure(state.pushes_sent[0]):
-            measured = []
-        with vals.device_stream(value):
-            key_encoder = self._key_encoder(state, source)
-            if key_encoder.whole_key:  # begin() rewrites every chunk's payload buffers
-                for chunk in state.send_order:
-                    self._wait_push(state, chunk.index, deadline)
-            # (values that reach an encoder were checked for NaN and infinities, unless the
-            # job allows them)
-            clock = EncodeClock(self._stats)
-            key_encoder.begin(source, finite=not self._options.allow_nonfinite)
-            clock.lap()
-            for chunk in state.send_order:
-                self._wait_push(state, chunk.index, deadline)
-                encoder = key_encoder.chunks[chunk.index]
-                values = source[chunk.start : chunk.stop]
-                payloads = encoder.borrow(values) if borrow else None
-                clock.start()
-                if payloads is None:
-                    payloads = encoder.encode(values)
-                clock.lap()
-                if measured is not None:
-                    measured.append(encoder.quality(values))
-                fields = {"k": state.key, "c": chunk.index, "n": chunk.numel}
-                what = f"{op.name} of key {state.key!r} chunk {chunk.index}"
-                rounds = encoder.round_trips
-                if rounds > 1:  # (PUSH only: see pushpull and _prefetch_values)
-                    assert op is Op.PUSH and landing is None
-                    request = _RoundTrips(
-                        self._transport, self._stats, encoder, chunk.server, fields,
-                        priority, (state.key, chunk.index), what,
-                    ).start(payloads)  # fmt: skip
-                else:
-                    if op is Op.PUSHPULL:
-                        fields.update(state.pull_fields(chunk))
-                    request = self._transport.submit(
-                        chunk.server,
-                        op,
-                        fields,
-                        payloads,
-                        priority=priority,
-                        order_key=(state.key, chunk.index),
-                        what=what,
-                        on_done=landing.callback(chunk) if landing is not None else None,
-                    )
-                if request.failed():  # refused before sending (the server is gone)
-                    request.wait()
-                state.last_push[chunk.index] = request
-                state.pushes_sent[chunk.index] += rounds
-                requests[chunk.index] = request
-                self._stats.pushed_bytes += request.nbytes
-                self._stats.pushed_raw_bytes += chunk.numel * np.dtype(state.dtype).itemsize
-                self._stats.push_messages += 1
-        if measured and metrics is not None and all(q is not None for q in measured):
-            metrics.key_quality(
-                state.key,
-                sum(q.gradient_sq for q in measured),
-                sum(q.residual_sq for q in measured),
-                sum(q.sent_nonzero for q in measured),
-                state.numel,
-            )
-        return requests
+        return self._shared.key_state(key)
 
     def _require_optimizer_for_async(self) -> None:
-        if self.type == "dist_async" and self._optimizer is None:
+        if self.type == "dist_async" and self._shared.optimizer is None:
             raise UsageError(
                 "dist_async applies every push on arrival and needs an optimizer: call "
                 "kv.set_optimizer(...) on every worker before pushing"
@@ -744,39 +509,18 @@ class KVStore:
         work = [(self._state(k), v) for k, v in pairs]
         for state, v in work:
             state.check_value(v, "value")
-        self._check_finite([(state, v) for state, v in work])
+        self._pushes.refuse_nonfinite([(state, v) for state, v in work])
         deadline = self._deadline()  # (for the chunks' previous pushes, over the whole call)
         for state, v in work:
-            if self._prefetch_values(state):
-                state.prefetched = self._send_pushes(
-                    state, v, Op.PUSHPULL, priority, borrow=borrow, deadline=deadline
-                )
-            else:
-                self._send_pushes(state, v, Op.PUSH, priority, borrow=borrow, deadline=deadline)
-            state.pushed_since_pull = True
-
-    def _prefetch_values(self, state: KeyState) -> bool:
-        """Whether the push about to be sent for ``state`` should ask for the round's values."""
-        self._forget_unpulled_values(state)
-        # (a multi-round push's last reply carries the codec's factors, not the value)
-        multi_round = state.codec.round_trips > 1
-        return self.type != "dist_async" and state.pulled_after_push and not multi_round
-
-    @staticmethod
-    def _forget_unpulled_values(state: KeyState) -> None:
-        """Before a new push of ``state``: drop the last push's values if no pull took them,
-        and stop asking for them until a pull follows a push again."""
-        if state.prefetched is not None:
-            state.prefetched = None
-            state.pulled_after_push = False
+            ask = prefetch.asks_for_values(state, self.type)  # (see kvstore.worker.prefetch)
+            op = Op.PUSHPULL if ask else Op.PUSH
+            requests = self._pushes.send(state, v, op, priority, borrow=borrow, deadline=deadline)
+            prefetch.pushed(state, requests if ask else None)
 
     def _pull_requests(self, state: KeyState, landing: Landing, priority: int) -> list[Request]:
         """One request per chunk whose reply fills ``landing``: the last push's own, where it
         asked for the values, else a new pull."""
-        prefetched, state.prefetched = state.prefetched, None
-        if state.pushed_since_pull and prefetched is None:
-            state.pulled_after_push = True  # the next push asks for the values
-        state.pushed_since_pull = False
+        prefetched = prefetch.take(state)
         if prefetched is not None:
             for chunk, request in zip(state.chunks, prefetched, strict=True):
                 callback = landing.callback(chunk)
@@ -845,20 +589,19 @@ class KVStore:
         for state, v, o in work:
             state.check_value(v, "value")
             state.check_value(o, "out")
-        self._check_finite([(state, v) for state, v, _ in work])
+        self._pushes.refuse_nonfinite([(state, v) for state, v, _ in work])
         deadline = self._deadline()
         pending = []
         for state, v, o in work:
-            self._forget_unpulled_values(state)  # a pushpull is a push, and its own pull
-            state.pushed_since_pull = False
+            prefetch.reset(state)  # a pushpull is a push, and its own pull
             landing = Landing(state, o, self._stats)
             if state.codec.round_trips > 1:
                 # The last round's reply carries the codec's factors, not the value: push,
                 # then pull (answered once the push's last round is applied).
-                self._send_pushes(state, v, Op.PUSH, priority, borrow=borrow, deadline=deadline)
+                self._pushes.send(state, v, Op.PUSH, priority, borrow=borrow, deadline=deadline)
                 requests = self._submit_pulls(state, landing, priority)
             else:
-                requests = self._send_pushes(
+                requests = self._pushes.send(
                     state, v, Op.PUSHPULL, priority, landing, borrow, deadline=deadline
                 )
             pending.append((landing, requests))
@@ -905,26 +648,9 @@ class KVStore:
             for index, push in enumerate(state.last_push):
                 if push is not None and push.failed() and first_error is None:
                     try:
-                        self._wait_push(state, index, deadline)
+                        self._pushes.wait(state, index, deadline)
                     except KVStoreError as exc:
                         first_error = exc
-        if first_error is not None:
-            raise first_error
-
-    def _wait_pushes(
-        self, keys: Iterable[KeyState] | None = None, deadline: Deadline | None = None
-    ) -> None:
-        """Wait for this worker's pushes (of ``keys``, or of all keys) within ``deadline``
-        (None: a call of its own); raise the first error after all ended."""
-        if deadline is None:
-            deadline = self._deadline()
-        first_error: BaseException | None = None
-        for state in keys if keys is not None else list(self._keys.values()):
-            for index in range(len(state.chunks)):
-                try:
-                    self._wait_push(state, index, deadline)
-                except KVStoreError as exc:
-                    first_error = first_error or exc
         if first_error is not None:
             raise first_error
 
@@ -932,10 +658,10 @@ class KVStore:
         """Block until this worker's pushes (of ``key``, or of all keys) were applied."""
         self._check_open()
         if key is None:
-            self._wait_pushes()
+            self._pushes.wait_all()
         else:
             keys = key if isinstance(key, list | tuple) else [key]
-            self._wait_pushes([self._state(normalize_key(k)) for k in keys])
+            self._pushes.wait_all([self._state(normalize_key(k)) for k in keys])
 
     def barrier(self) -> None:
         """Wait until every worker reached its barrier, after this worker's pushes were applied.
@@ -944,7 +670,7 @@ class KVStore:
         """
         self._check_open()
         deadline = self._deadline()
-        self._wait_pushes(deadline=deadline)
+        self._pushes.wait_all(deadline=deadline)
         request = self._transport.submit(0, Op.BARRIER, what="barrier")
         request.wait(deadline)
 
@@ -977,7 +703,7 @@ class KVStore:
             local_error: BaseException | None = None
             sha = ""
             try:
-                self._wait_pushes()  # (an error here fails the call everywhere, not just here)
+                self._pushes.wait_all()  # (an error here fails the call everywhere, not just here)
                 if self.rank == 0:
                     checkpoint.clear_stale_manifest(staging)
                 arrays, meta = ckpt.codec_state(self._keys.values(), self.rank)
@@ -1035,7 +761,7 @@ class KVStore:
             manifest: dict[str, Any] = {}
             plan: dict[Key, list[dict[str, Any] | None]] = {}
             try:
-                self._wait_pushes()
+                self._pushes.wait_all()
                 manifest = checkpoint.read_manifest(target)
                 checkpoint.check_job(
                     manifest,
@@ -1063,13 +789,12 @@ class KVStore:
                 state.key_encoder = None
                 state.encoders = [None] * len(state.chunks)
                 state.restored = plan[key]
-                self._forget_unpulled_values(state)  # values of a push from before the load
-                state.pushed_since_pull = False
+                prefetch.reset(state)  # values of a push from before the load
                 for held in state.held or ():  # the next pull brings the restored w_pub whole
                     held.version = -1
             saved = manifest.get("optimizer")
             if saved is not None:
-                self._optimizer = make_optimizer_spec(saved["name"], saved["params"])
+                self._shared.optimizer = make_optimizer_spec(saved["name"], saved["params"])
 
     def codec_state(self, keys: KeyArg) -> dict[str, Any]:
         """This worker's codec state of ``keys`` (not collective; the servers are not asked).
@@ -1095,7 +820,7 @@ class KVStore:
             for name in names:
                 state = self._state(normalize_key(name))
                 states[state.key] = state
-            self._wait_pushes(states.values())
+            self._pushes.wait_all(states.values())
             return ckpt.codec_state_dict(states.values(), self.rank)
 
     def load_codec_state(self, state: Mapping[str, Any]) -> None:
@@ -1120,7 +845,7 @@ class KVStore:
         with self._api_lock:
             plan = ckpt.plan_codec_state(self._keys, state, self.rank)
             states = [self._keys[key] for key in plan]
-            self._wait_pushes(states)  # (an in-flight round still writes into its encoder)
+            self._pushes.wait_all(states)  # (an in-flight round still writes into its encoder)
             for key_state in states:
                 key_state.key_encoder = None
                 key_state.encoders = [None] * len(key_state.chunks)
@@ -1133,7 +858,7 @@ class KVStore:
         ]
 
     def _checkpoint_manifest(self) -> dict[str, Any]:
-        optimizer = self._optimizer
+        optimizer = self._shared.optimizer
         return {
             "pskv": __version__,
             "mode": self.type,
@@ -1178,13 +903,13 @@ class KVStore:
     def metrics_port(self) -> int | None:
         """The port of this worker's Prometheus endpoint until the store closes (None without
         ``KVSTORE_METRICS_PORT``)."""
-        metrics = self._metrics
+        metrics = self._shared.metrics
         return metrics.port if metrics is not None else None
 
     @property
     def optimizer(self) -> OptimizerSpec | None:
         """The optimizer set with :meth:`set_optimizer`, or None."""
-        return self._optimizer
+        return self._shared.optimizer
 
     @property
     def compression(self) -> dict[str, Any]:
