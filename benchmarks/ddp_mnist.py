@@ -2,10 +2,11 @@
 allreduce baseline of :mod:`benchmarks.time_to_accuracy`.
 
 Same data shard per rank, model, batch size, seed, epoch order and SGD (with its momentum and
-weight decay) as ``examples/mnist/train.py`` with ``--optimizer local``; DDP averages the
-gradients with gloo allreduce, in fp32 or through torch's PowerSGD communication hook. Worker 0
-prints a JSON line per epoch: test accuracy and the epoch's seconds (its evaluation included, as
-the example's).
+weight decay) as ``examples/mnist/train.py`` with ``--optimizer local``, through the benchmarks'
+training runner (:func:`benchmarks.training.train_epochs`); DDP averages the gradients with gloo
+allreduce, in fp32 or through torch's PowerSGD communication hook. Worker 0 prints a JSON line
+per epoch: mean loss, test accuracy and the epoch's seconds (its evaluation included, as the
+example's).
 
     python -m benchmarks.ddp_mnist --master HOST:PORT --rank R --num-workers N [--powersgd 4]
 """
@@ -14,21 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mnist"
-sys.path.insert(0, str(EXAMPLE))
-
-from mnist_data import load_data, train_images_per_worker  # noqa: E402
-from mnist_models import make_model  # noqa: E402
-from train import accuracy  # noqa: E402  (the example's own test accuracy)
+from benchmarks.training import Training, example_module, steps_per_epoch, train_epochs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    training = Training(args.model, args.epochs, args.lr, args.momentum, args.seed, args.batch_size)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -59,11 +54,12 @@ def main(argv: list[str] | None = None) -> None:
         rank=args.rank,
         world_size=args.num_workers,
     )
-    train_x, train_y, test_x, test_y = load_data(args.rank, args.num_workers, torch.device("cpu"))
+    data = example_module("mnist_data").load_data(args.rank, args.num_workers, torch.device("cpu"))
     # (broadcasts rank 0's weights; with PowerSGD one bucket: torch's hook runs its gloo
     # collectives asynchronously, and two buckets' could interleave differently on each rank)
     bucket_mb = 1024 if args.powersgd else 25
-    model = DistributedDataParallel(make_model(args.model), bucket_cap_mb=bucket_mb)
+    network = example_module("mnist_models").make_model(args.model)
+    model = DistributedDataParallel(network, bucket_cap_mb=bucket_mb)
     if args.powersgd:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -75,27 +71,19 @@ def main(argv: list[str] | None = None) -> None:
         model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.wd
     )
     loss_fn = nn.CrossEntropyLoss()
-    steps = train_images_per_worker(args.num_workers) // args.batch_size
-    for epoch in range(1, args.epochs + 1):
-        start = time.perf_counter()
-        shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(train_y), generator=shuffle)
-        total = 0.0
-        for step in range(steps):
-            batch = order[step * args.batch_size : (step + 1) * args.batch_size]
-            opt.zero_grad(set_to_none=False)
-            loss = loss_fn(model(train_x[batch]), train_y[batch])
-            loss.backward()  # DDP allreduces the gradients' mean in buckets, inside backward
-            opt.step()
-            total += loss.item()
-        if args.rank == 0:
-            record = {
-                "epoch": epoch,
-                "loss": total / steps,
-                "accuracy": accuracy(model.module, test_x, test_y),
-                "seconds": time.perf_counter() - start,
-            }
-            print(json.dumps(record), flush=True)
+
+    def step(images: torch.Tensor, labels: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model(images), labels)
+        loss.backward()  # DDP allreduces the gradients' mean in buckets, inside backward
+        opt.step()
+        return loss.item()
+
+    def report(record: dict[str, Any]) -> None:
+        print(json.dumps(record), flush=True)
+
+    steps = steps_per_epoch(training, args.num_workers)
+    train_epochs(training, step, network, data, steps, report if args.rank == 0 else None)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -10,7 +10,8 @@ more epochs than dense ones to get there (each of them far cheaper), so a fixed 
 would measure where the runs stand, not when they arrive. Parameter-server runs put one
 server on each worker's host (colocated: each host's link carries a share of the keys, like the
 ring of allreduce) and run ``examples/mnist/train.py`` with the servers' SGD; DDP runs
-:mod:`benchmarks.ddp_mnist` with the same model, data shards, batch, seed and SGD. Runs
+:mod:`benchmarks.ddp_mnist` with the same model, data shards, batch, seed and SGD (both commands
+and the reading of their epochs are the training runner's, :mod:`benchmarks.training`). Runs
 (:data:`RUNS`):
 
 * ``ps-dense``: dense pushes and pulls;
@@ -41,9 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, append_jsonl, emit, machine, module_command, server_addresses
-
-TRAIN = REPO / "examples" / "mnist" / "train.py"
+from benchmarks.common import append_jsonl, emit, machine, server_addresses
+from benchmarks.training import Training, ddp_command, epoch_record, example_command
 
 RUNS: dict[str, dict[str, Any]] = {
     "ps-dense": {"push": "none", "pull": "none"},
@@ -61,9 +61,9 @@ PRESETS = {
 }  # fmt: skip
 
 
-def _common_training(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--epochs", str(args.epochs), "--lr", str(args.lr),
-            "--momentum", str(args.momentum), "--seed", str(args.seed)]  # fmt: skip
+def _training(args: argparse.Namespace) -> Training:
+    """What every run's workers train (the runner's default batch of 32 images per worker)."""
+    return Training(args.model, args.epochs, args.lr, args.momentum, args.seed)
 
 
 def run_ps(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
@@ -99,9 +99,9 @@ def run_ps(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subpr
     for rank in range(n):
         worker_env = {**env, "KVSTORE_SERVERS": addresses, "KVSTORE_RANK": str(rank),
                       "KVSTORE_NUM_WORKERS": str(n)}  # fmt: skip
-        argv = [py, str(TRAIN), "--no-progress", "--json", "-", "--optimizer", "server",
-                "--compression", run["push"], "--pull-compression", run["pull"],
-                *_common_training(args)]  # fmt: skip
+        argv = example_command(
+            _training(args), push=run["push"], pull=run["pull"], optimizer="server", json_to="-"
+        )
         workers.append(
             cluster.popen(
                 rank,
@@ -121,9 +121,13 @@ def run_ddp(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subp
     workers = []
     for rank in range(args.workers):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
-        argv = module_command("ddp_mnist", "--master", master, "--rank", str(rank),
-                              "--num-workers", str(args.workers), "--powersgd", str(run["ddp"]),
-                              *_common_training(args))  # fmt: skip
+        argv = ddp_command(
+            _training(args),
+            master=master,
+            rank=rank,
+            num_workers=args.workers,
+            powersgd=run["ddp"],
+        )
         workers.append(
             cluster.popen(
                 rank, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -152,8 +156,8 @@ def run_one(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         arrived = timed_out = False
         for line in lead.stdout:
             output.append(line)
-            if line.startswith("{") and '"epoch"' in line:
-                epoch = json.loads(line)
+            epoch = epoch_record(line)
+            if epoch is not None:
                 wall += epoch["seconds"]
                 records.append({"bench": "time_to_accuracy", "run": name, **_spec(run),
                                 "epoch": epoch["epoch"], "accuracy": epoch["accuracy"],
