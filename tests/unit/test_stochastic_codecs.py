@@ -10,10 +10,11 @@ import math
 import numpy as np
 import pytest
 
-from kvstore.codecs import codec_from_spec, qsgd, terngrad
+from kvstore.codecs import codec_from_spec
 from kvstore.codecs.counter_rng import key_halves, stream_key, uniforms_reference
 from kvstore.codecs.quantize import ChunkPlace
 from kvstore.codecs.quantize import numba_kernels as quant_numba
+from kvstore.codecs.stochastic import qsgd, terngrad
 from kvstore.errors import CodecError
 
 M32 = 0xFFFFFFFF

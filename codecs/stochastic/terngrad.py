@@ -34,7 +34,8 @@ element plus 32 per chunk. Decoding: code 1 -> ``+s``, code 2 -> ``-s``, anythin
 never produced) -> ``+0.0``. No state but the push count ``step``.
 
 Three implementations, identical bytes on any finite input: the numpy reference below,
-``_stochastic_numba`` (the default on the host) and ``_stochastic_cuda`` (GPU values).
+:mod:`~kvstore.codecs.stochastic.numba_kernels` (the default on the host) and
+:mod:`~kvstore.codecs.stochastic.cuda_kernels` (GPU values).
 """
 
 from __future__ import annotations
@@ -181,22 +182,22 @@ class TernGradEncoder(QuantizerEncoder):
         )
 
     def encode_compiled(self, values: np.ndarray, frames: list[np.ndarray]) -> None:
-        from kvstore.codecs import _stochastic_numba  # noqa: PLC0415  (compiles on first use)
+        from kvstore.codecs.stochastic import numba_kernels  # noqa: PLC0415  (compiles on first use)
 
         grad = np.ascontiguousarray(values.reshape(-1))
         # (numba returns the float32 scale as a Python float: back to float32)
-        s = np.float32(_stochastic_numba.terngrad_scale(grad, self.codec.clip))
+        s = np.float32(numba_kernels.terngrad_scale(grad, self.codec.clip))
         frames[0].view(np.float32)[0] = s
         lo, hi = self._halves()
-        _stochastic_numba.terngrad_codes(
+        numba_kernels.terngrad_codes(
             grad, s, np.uint64(lo), np.uint64(hi), self.place.start, frames[1]
         )
 
     def encode_cuda(self, values: Any, frames: list[Any]) -> None:
-        from kvstore.codecs import _stochastic_cuda  # noqa: PLC0415
+        from kvstore.codecs.stochastic import cuda_kernels  # noqa: PLC0415
 
         lo, hi = self._halves()
-        _stochastic_cuda.terngrad_encode(
+        cuda_kernels.terngrad_encode(
             values.reshape(-1), self.codec.clip, lo, hi, self.place.start, frames[0], frames[1]
         )
 
@@ -244,9 +245,9 @@ class TernGradCodec(QuantizerCodec):
     ) -> None:
         scales = np.frombuffer(frames[0], dtype=np.float32)
         if implementation == "numba" and compiled_kernels_usable():
-            from kvstore.codecs import _stochastic_numba  # noqa: PLC0415
+            from kvstore.codecs.stochastic import numba_kernels  # noqa: PLC0415
 
-            _stochastic_numba.terngrad_decode(
+            numba_kernels.terngrad_decode(
                 np.float32(scales[0]), np.asarray(frames[1]), numel, out, accumulate
             )
         elif implementation in ("numba", "numpy"):

@@ -1,6 +1,7 @@
 """CuPy (CUDA) kernels of the stochastic quantizers ``terngrad`` and ``qsgd``: the payload bytes
-of the numpy references in :mod:`kvstore.codecs.terngrad` and :mod:`kvstore.codecs.qsgd`, bit
-for bit, written on the device (the encoder copies them to pinned host buffers).
+of the numpy references in :mod:`kvstore.codecs.stochastic.terngrad` and
+:mod:`kvstore.codecs.stochastic.qsgd`, bit for bit, written on the device (the encoder copies
+them to pinned host buffers).
 
 One push, on the device, without a host round trip:
 

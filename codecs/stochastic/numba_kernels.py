@@ -1,9 +1,9 @@
 """Compiled CPU kernels of the stochastic quantizers ``terngrad`` and ``qsgd`` (numba, GIL
 released, cached on disk).
 
-Bit for bit the numpy references of :mod:`kvstore.codecs.terngrad` and
-:mod:`kvstore.codecs.qsgd`: same float32 and float64 operations in the same order, no fast-math,
-blocked lane sums in the order of :func:`kvstore.codecs.quantize.blocked_sum_reference`.
+Bit for bit the numpy references of :mod:`kvstore.codecs.stochastic.terngrad` and
+:mod:`kvstore.codecs.stochastic.qsgd`: same float32 and float64 operations in the same order, no
+fast-math, blocked lane sums in the order of :func:`kvstore.codecs.quantize.blocked_sum_reference`.
 
 Shape of an encode: the reductions first (terngrad: one pass over the chunk; qsgd: a bucket's
 norm right before its codes, so the bucket is still in L1 cache), then blocks of
@@ -433,7 +433,7 @@ def small_bucket_norms(values, bucket, norms, flipped, totals):
 @njit(nogil=True, cache=True)
 def qsgd_encode(values, levels, bucket, lo, hi, start, norms, packed, width):
     """Write each bucket's norm into ``norms`` and the codes ``(level << 1) | neg`` into
-    ``packed`` (``width`` bits each); see :mod:`kvstore.codecs.qsgd` for the arithmetic.
+    ``packed`` (``width`` bits each); see :mod:`kvstore.codecs.stochastic.qsgd` for the arithmetic.
 
     A bucket's norm is computed right before its first codes, so its values are still in L1
     cache for them; buckets of at most SUM_BLOCK elements have theirs computed a block's worth

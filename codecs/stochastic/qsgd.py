@@ -40,7 +40,8 @@ bucket`` (5.0625 with the defaults, about 6.3x smaller than float32). Decoding, 
 ``step``.
 
 Three implementations, identical bytes on any finite input: the numpy reference below,
-``_stochastic_numba`` (the default on the host) and ``_stochastic_cuda`` (GPU values).
+:mod:`~kvstore.codecs.stochastic.numba_kernels` (the default on the host) and
+:mod:`~kvstore.codecs.stochastic.cuda_kernels` (GPU values).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from kvstore.codecs.quantize import (
     pack_codes_reference,
     unpack_codes_reference,
 )
-from kvstore.codecs.terngrad import compiled_kernels_usable
+from kvstore.codecs.stochastic.terngrad import compiled_kernels_usable
 from kvstore.errors import CodecError
 
 PURPOSE = 12
@@ -211,11 +212,11 @@ class QsgdEncoder(QuantizerEncoder):
         )
 
     def encode_compiled(self, values: np.ndarray, frames: list[np.ndarray]) -> None:
-        from kvstore.codecs import _stochastic_numba  # noqa: PLC0415  (compiles on first use)
+        from kvstore.codecs.stochastic import numba_kernels  # noqa: PLC0415  (compiles on first use)
 
         codec = self.codec
         lo, hi = key_halves(self.stream_key(PURPOSE))
-        _stochastic_numba.qsgd_encode(
+        numba_kernels.qsgd_encode(
             np.ascontiguousarray(values.reshape(-1)),
             codec.levels,
             codec.bucket,
@@ -228,11 +229,11 @@ class QsgdEncoder(QuantizerEncoder):
         )
 
     def encode_cuda(self, values: Any, frames: list[Any]) -> None:
-        from kvstore.codecs import _stochastic_cuda  # noqa: PLC0415
+        from kvstore.codecs.stochastic import cuda_kernels  # noqa: PLC0415
 
         codec = self.codec
         lo, hi = key_halves(self.stream_key(PURPOSE))
-        _stochastic_cuda.qsgd_encode(
+        cuda_kernels.qsgd_encode(
             values.reshape(-1),
             codec.levels,
             codec.bucket,
@@ -285,9 +286,9 @@ class QsgdCodec(QuantizerCodec):
     def sent_nonzero(self, frames: Sequence[np.ndarray], numel: int) -> int:
         packed = np.asarray(frames[1])
         if compiled_kernels_usable():
-            from kvstore.codecs import _stochastic_numba  # noqa: PLC0415
+            from kvstore.codecs.stochastic import numba_kernels  # noqa: PLC0415
 
-            return int(_stochastic_numba.count_codes_at_least(packed, numel, self.width, 2))
+            return int(numba_kernels.count_codes_at_least(packed, numel, self.width, 2))
         return count_sent_reference(packed, self.levels, numel)
 
     def make_chunk_encoder(self, place: ChunkPlace, device: Any = None) -> QsgdEncoder:
@@ -304,9 +305,9 @@ class QsgdCodec(QuantizerCodec):
         norms = np.frombuffer(frames[0], dtype=np.float32)
         packed = np.asarray(frames[1])
         if implementation == "numba" and compiled_kernels_usable():
-            from kvstore.codecs import _stochastic_numba  # noqa: PLC0415
+            from kvstore.codecs.stochastic import numba_kernels  # noqa: PLC0415
 
-            _stochastic_numba.qsgd_decode(
+            numba_kernels.qsgd_decode(
                 norms, self.levels, self.bucket, packed, numel, self.width, out, accumulate
             )
         elif implementation in ("numba", "numpy"):
