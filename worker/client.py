@@ -30,16 +30,15 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvstore import checkpoint
 from kvstore._malloc import tune_malloc
 from kvstore._version import __version__
-from kvstore.codecs import Codec, codec_from_spec, xp
+from kvstore.codecs import Codec, codec_from_spec
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.codecs.pulled import pull_codec_from_spec
 from kvstore.config import ClusterConfig, WorkerOptions
@@ -70,6 +69,7 @@ from kvstore.worker.keys import (
     servers_on_this_host,
 )
 from kvstore.worker.landing import Landing
+from kvstore.worker.pulls import Pulls
 from kvstore.worker.pushes import Pushes
 from kvstore.worker.relayed_pulls import relay_limit
 from kvstore.worker.request import Deadline, Request, wait_all
@@ -156,6 +156,7 @@ class KVStore:
         self._transport = transport
         self._stats = self._shared.stats
         self._pushes = Pushes(self._shared)
+        self._pulls = Pulls(self._shared, self._pushes)
         if metrics is not None:
             stats = self._stats
             metrics.watch(
@@ -517,37 +518,6 @@ class KVStore:
             requests = self._pushes.send(state, v, op, priority, borrow=borrow, deadline=deadline)
             prefetch.pushed(state, requests if ask else None)
 
-    def _pull_requests(self, state: KeyState, landing: Landing, priority: int) -> list[Request]:
-        """One request per chunk whose reply fills ``landing``: the last push's own, where it
-        asked for the values, else a new pull."""
-        prefetched = prefetch.take(state)
-        if prefetched is not None:
-            for chunk, request in zip(state.chunks, prefetched, strict=True):
-                callback = landing.callback(chunk)
-                if callback is not None:  # (None: the caller lands GPU targets itself)
-                    request.add_done_callback(callback)
-            return prefetched
-        return self._submit_pulls(state, landing, priority)
-
-    def _submit_pulls(self, state: KeyState, landing: Landing, priority: int) -> list[Request]:
-        """A pull of every chunk of ``state``, following every push sent so far."""
-        return [
-            self._transport.submit(
-                chunk.server,
-                Op.PULL,
-                {
-                    "k": state.key,
-                    "c": chunk.index,
-                    "af": state.pushes_sent[chunk.index],
-                    **state.pull_fields(chunk),
-                },
-                priority=priority,
-                what=f"pull of key {state.key!r} chunk {chunk.index}",
-                on_done=landing.callback(chunk),
-            )
-            for chunk in state.chunks
-        ]
-
     def pull(self, key: KeyArg, out: Any = None, priority: int = 0) -> None:
         """Pull values into ``out`` in place (same shape, dtype and type as at init).
 
@@ -570,8 +540,8 @@ class KVStore:
         pending = []
         for state, o in work:
             landing = Landing(state, o, self._stats)
-            pending.append((landing, self._pull_requests(state, landing, priority)))
-        self._receive_values(pending, deadline)
+            pending.append((landing, self._pulls.requests(state, landing, priority)))
+        self._pulls.receive(pending, deadline)
 
     def pushpull(
         self, key: KeyArg, value: Any, out: Any = None, priority: int = 0, *, borrow: bool = False
@@ -599,60 +569,13 @@ class KVStore:
                 # The last round's reply carries the codec's factors, not the value: push,
                 # then pull (answered once the push's last round is applied).
                 self._pushes.send(state, v, Op.PUSH, priority, borrow=borrow, deadline=deadline)
-                requests = self._submit_pulls(state, landing, priority)
+                requests = self._pulls.submit(state, landing, priority)
             else:
                 requests = self._pushes.send(
                     state, v, Op.PUSHPULL, priority, landing, borrow, deadline=deadline
                 )
             pending.append((landing, requests))
-        self._receive_values(pending, deadline)
-
-    def _receive_values(
-        self, pending: Iterable[tuple[Landing, list[Request]]], deadline: Deadline
-    ) -> None:
-        """Wait for the values of every key of one call, all within the call's ``deadline``."""
-        first_error: BaseException | None = None
-        for landing, requests in pending:
-            state = landing.state
-            if landing.on_io_thread:
-                waited = time.perf_counter()
-                arrived = landing.all_arrived.wait(deadline.remaining())
-                self._stats.wire_seconds += time.perf_counter() - waited
-                if not arrived:
-                    waiting = next(r for r in requests if not r.done())
-                    first_error = first_error or KVStoreTimeoutError(
-                        f"{waiting.what} to server {waiting.server} got no reply within "
-                        f"{deadline.timeout} s (KVSTORE_TIMEOUT, for the whole call); is another "
-                        f"worker stuck?"
-                    )
-                for error in landing.errors:
-                    first_error = first_error or error
-            else:
-                for chunk, request in zip(state.chunks, requests, strict=True):
-                    try:
-                        waited = time.perf_counter()
-                        reply = request.wait(deadline)
-                        copies = xp.TRANSFERS.h2d_seconds
-                        landed = time.perf_counter()
-                        self._stats.wire_seconds += landed - waited
-                        landing.write(chunk, reply)
-                        # a relayed reply is also decoded here: that is encode time
-                        h2d = xp.TRANSFERS.h2d_seconds - copies
-                        self._stats.h2d_seconds += h2d
-                        self._stats.encode_seconds += time.perf_counter() - landed - h2d
-                        request.release_payloads()
-                    except KVStoreError as exc:
-                        first_error = first_error or exc
-            if first_error is None:
-                landing.target.finish()
-            for index, push in enumerate(state.last_push):
-                if push is not None and push.failed() and first_error is None:
-                    try:
-                        self._pushes.wait(state, index, deadline)
-                    except KVStoreError as exc:
-                        first_error = exc
-        if first_error is not None:
-            raise first_error
+        self._pulls.receive(pending, deadline)
 
     def wait(self, key: KeyArg | None = None) -> None:
         """Block until this worker's pushes (of ``key``, or of all keys) were applied."""
