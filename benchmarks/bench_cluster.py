@@ -70,7 +70,6 @@ Needs root for ``ip netns``; without it, prints one "skipped" line and exits 0.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -465,7 +464,7 @@ def _measure(
     timeout: float,
     floor: float,
     warmup: int,
-    link_roles: Sequence[str] | None = None,
+    links: tuple[LinkTrace, Sequence[str]] | None = None,
     **extra: Any,
 ) -> dict:
     """Collect the ``timed`` processes' step times while watching the CPU (the ``job``'s
@@ -473,17 +472,15 @@ def _measure(
 
     Besides the median, the record keeps every step's time (``step_seconds``, and
     ``warmup_step_seconds`` for the untimed ones), so a cell whose steps had not settled
-    shows it. With ``link_roles`` (each host's role) the links' byte counters are sampled
-    too, and ``links`` says how busy they were during the timed steps, the barriers between
-    them left out (:func:`link_trace.by_role`).
+    shows it. With ``links`` (a started :class:`LinkTrace` of every host's link, and each
+    host's role) the trace is stopped with the steps, and ``links`` says how busy the links
+    were during the timed steps, the barriers between them left out
+    (:func:`link_trace.by_role`).
     """
-    trace = (
-        LinkTrace([cluster.bridge_port(host) for host in range(len(link_roles))])
-        if link_roles
-        else contextlib.nullcontext()
-    )
-    with trace, CpuMonitor([p.pid for p in job]) as cpu:
+    with CpuMonitor([p.pid for p in job]) as cpu:
         times, warmup_times, window, spans = _collect(timed, what, timeout)
+    if links is not None:
+        links[0].stop()
     cluster.stop_processes()
     seconds = statistics.median(times)
     record = {"seconds_per_step": round(seconds, 4), "floor_seconds": round(floor, 4),
@@ -491,9 +488,10 @@ def _measure(
               **cpu.usage(*window), "warmup_steps": warmup,
               "step_seconds": [round(t, 4) for t in times],
               "warmup_step_seconds": [round(t, 4) for t in warmup_times]}  # fmt: skip
-    if link_roles:
+    if links is not None:
+        trace, roles = links
         summaries = summarize(trace.times, trace.counters, cluster.rate_bytes_per_s, spans)
-        record["links"] = by_role(summaries, link_roles) if summaries else None
+        record["links"] = by_role(summaries, roles) if summaries else None
     return record
 
 
@@ -583,17 +581,29 @@ def _run_cell(
         workload(workload_name), codec, n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
     )
     warmup = warmup_steps(args.warmup_seconds, floor)
-    workers = []
-    for rank, host in enumerate(worker_hosts):
-        argv = module_command(
-            "bench_cluster", *worker_role(rank), "--addresses", ",".join(addresses),
-            "--workload", workload_name, "--steps", str(args.steps), "--warmup-steps", str(warmup),
-        )  # fmt: skip
-        workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=worker_env))  # fmt: skip
     roles = _host_roles(server_hosts, worker_hosts) if args.link_trace else None
-    return _measure(cluster, workers, servers + workers, what, args.timeout,
-                    floor, warmup, roles, busiest_link_bytes=int(busiest))  # fmt: skip
+    trace = LinkTrace([cluster.bridge_port(host) for host in range(len(roles))]) if roles else None
+    if trace is not None:
+        # Before the workers: a sampler started after them can come up, on a loaded machine,
+        # only once their first timed step has begun, and a trace that misses it has no summary.
+        trace.start()
+    try:
+        workers = []
+        for rank, host in enumerate(worker_hosts):
+            argv = module_command(
+                "bench_cluster", *worker_role(rank), "--addresses", ",".join(addresses),
+                "--workload", workload_name, "--steps", str(args.steps),
+                "--warmup-steps", str(warmup),
+            )  # fmt: skip
+            workers.append(cluster.popen(host, argv, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True,
+                                         env=worker_env))  # fmt: skip
+        links = None if trace is None or roles is None else (trace, roles)
+        return _measure(cluster, workers, servers + workers, what, args.timeout,
+                        floor, warmup, links, busiest_link_bytes=int(busiest))  # fmt: skip
+    finally:
+        if trace is not None:
+            trace.stop()  # (a cell that failed part-way; otherwise stopped already)
 
 
 def run_baseline(cluster, args, workload_name, baseline, n) -> dict:

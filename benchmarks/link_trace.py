@@ -66,7 +66,8 @@ def _counter_files(ports: Sequence[str]) -> list[str]:
 def sample(out_path: str, ports: Sequence[str], interval_s: float = SAMPLE_INTERVAL_S) -> None:
     """The sampler: append ``time.time()`` and every counter (float64 each) to ``out_path``
     every ``interval_s`` until SIGTERM or SIGINT, then once more (so the last row counts every
-    byte moved before the signal), flush and return."""
+    byte moved before the signal), flush and return. It prints ``ready`` once the first row is
+    written."""
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(_RT_PRIORITY))
     except (PermissionError, AttributeError, OSError):
@@ -81,14 +82,17 @@ def sample(out_path: str, ports: Sequence[str], interval_s: float = SAMPLE_INTER
     signal.signal(signal.SIGINT, on_signal)
     fds = [os.open(path, os.O_RDONLY) for path in _counter_files(ports)]
     row = np.empty(1 + len(fds), dtype=np.float64)
+    ready = False
     with open(out_path, "wb") as out:
-        print("ready", flush=True)
         while True:
             last = stop
             row[0] = time.time()
             for i, fd in enumerate(fds):
                 row[i + 1] = int(os.pread(fd, 32, 0))
             out.write(row.tobytes())
+            if not ready:  # after the first sample: what starts later is covered
+                print("ready", flush=True)
+                ready = True
             if last:
                 break
             time.sleep(interval_s)
@@ -97,10 +101,12 @@ def sample(out_path: str, ports: Sequence[str], interval_s: float = SAMPLE_INTER
 
 
 class LinkTrace:
-    """Sample the byte counters of ``ports`` (bridge ports, one per host) while in the block.
+    """Sample the byte counters of ``ports`` (bridge ports, one per host) from :meth:`start`
+    to :meth:`stop` (or while in the block).
 
-    After the block, :attr:`times` (wall clock, seconds) and :attr:`counters` (one row per
-    sample; per port its uplink then its downlink bytes, cumulative) hold the samples.
+    Once stopped, :attr:`times` (wall clock, seconds) and :attr:`counters` (one row per
+    sample; per port its uplink then its downlink bytes, cumulative) hold the samples; the
+    first was taken before :meth:`start` returned.
     """
 
     def __init__(self, ports: Sequence[str]) -> None:
@@ -111,7 +117,12 @@ class LinkTrace:
         self.times = np.empty(0)
         self.counters = np.empty((0, 2 * len(self.ports)))
 
-    def __enter__(self) -> LinkTrace:
+    def start(self) -> None:
+        """Start the sampler and wait until it took its first sample.
+
+        Raises:
+            RuntimeError: the sampler could not read the counters.
+        """
         argv = module_command("link_trace", "--sample", str(self._path), *self.ports)
         self._process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO)
         if self._process.stdout.readline().strip() != "ready":  # counters open, sampling
@@ -119,9 +130,10 @@ class LinkTrace:
             process.stdout.close()
             code = process.wait()
             raise RuntimeError(f"the link sampler failed to start (exit {code})")
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """Stop the sampler (once its last sample is in) and read its samples; nothing when
+        it is not running."""
         process, self._process = self._process, None
         if process is None:
             return
@@ -139,6 +151,13 @@ class LinkTrace:
         width = 1 + 2 * len(self.ports)
         rows = rows[: len(rows) // width * width].reshape(-1, width)
         self.times, self.counters = rows[:, 0], rows[:, 1:]
+
+    def __enter__(self) -> LinkTrace:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def summarize(

@@ -99,6 +99,7 @@ def test_cluster_benchmark_smoke_or_reports_why_not(tmp_path):
         assert r["seconds_per_step"] == pytest.approx(median, abs=1e-3)
         # --link-trace: how busy each role's links were over the timed steps
         links = r["links"]
+        assert links is not None, r  # the sampler covered the timed steps
         assert {"server uplink", "server downlink", "worker uplink", "worker downlink"} < set(links)
         for name in ("worker uplink", "server downlink", "busiest"):
             shares = links[name]
