@@ -35,9 +35,9 @@ Every host uses the TCP congestion control ``--tcp-cc`` (default ``cubic``, Linu
 compares the two).
 
 Hosts send TCP in units of up to ``--gso-kib`` (default 192 KiB where the kernel allows it,
-Linux 6.3 and later; Linux's own default, and every result before ``cluster_v15``, is 64): the
-emulated links and switch then handle a third of the packets, on the cores the job needs (see
-:mod:`netns`). Each record says what the kernel took (``gso_max_bytes``).
+Linux 6.3 and later; Linux's own default is 64): the emulated links and switch then handle a
+third of the packets, on the cores the job needs (see :mod:`netns`). Each record says what the
+kernel took (``gso_max_bytes``).
 
 Baselines on the same shaped hosts: ``torch.distributed`` gloo allreduce of the same tensors in
 fp32 and fp16, bucketed like DDP (25 MB buckets, backward order), with its ring floor
@@ -54,7 +54,7 @@ With ``--auth on`` the kvstore cells run with the job's CURVE keys (:mod:`kvstor
 connection authenticated and encrypted, as every ``kvstore-launch`` job runs); ``--auth both``
 runs each kvstore cell without and then with them, one after the other, so that their ratio is
 the cost of encryption on the same machine state. Records say ``auth`` where it was asked for;
-the default (``off``) runs without keys, like every result before it.
+the default (``off``) runs without keys.
 
 With ``--link-trace`` a record also says how busy each role's links were during the timed
 steps, and how long they stood idle at a step's start and end (:mod:`link_trace`). With
@@ -257,17 +257,14 @@ def warmup_steps(warmup_seconds: float, floor: float) -> int:
     """Untimed steps before the timed ones: about ``warmup_seconds`` at the floor's pace (at
     least 1, at most :data:`MAX_WARMUP_STEPS`).
 
-    New TCP connections take seconds to reach their steady window (``cubic`` grows it by
-    time), and the first steps of a job also fault in its buffers: key10m 2 x 1 separate dense
-    took 1.2, 1.2, 1.1, 0.9, 0.75 s and then 0.66-0.69 s per step, so a single warm-up step
-    left the median of 5 timed steps on that slope in some runs and not in others. Where a
-    server's replies to several workers share its uplink, the slope is longer: their flows
-    leave slow start with heavy losses (``ss`` counted 4135 and 6254 retransmitted segments
-    on the two reply connections of ResNet-50 2 x 1 separate in its first steps) and ``cubic``
-    regrows their windows over seconds. That cell took about 3.1, 3.0, 2.0-2.4 s, in some
-    runs 1.9-2.1 s for two or three steps more, then 1.7 s per step: 3 s of warm-up left one
-    or more timed steps on the slope, 8 s (the full preset) none in three runs. Every process
-    of a cell gets the same count (steps start at a barrier).
+    Warm-up is counted in time, not steps, because what it waits for takes time: new TCP
+    connections take seconds to reach their steady window (``cubic`` grows it by time), and
+    the first steps of a job also fault in its buffers, so the first steps of a cell are
+    slower, and one warm-up step leaves the median of a few timed steps on that slope in some
+    runs and not in others. Where a server's replies to several workers share its uplink the
+    slope is longer: their flows leave slow start with heavy losses and ``cubic`` regrows their
+    windows over seconds (the full preset's 8 s cover it; 3 s did not). Every process of a
+    cell gets the same count (steps start at a barrier).
     """
     if warmup_seconds <= 0 or floor <= 0:
         return 1
@@ -745,8 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         "--gso-kib",
         type=int,
         default=DEFAULT_GSO_MAX_BYTES // 1024,
-        help="largest TCP unit a host sends, KiB (default %(default)s; 64 is Linux's default, "
-        "what results before cluster_v15 used)",
+        help="largest TCP unit a host sends, KiB (default %(default)s; 64 is Linux's default)",
     )
     parser.add_argument(
         "--tcp-cc",
