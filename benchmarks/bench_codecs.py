@@ -327,7 +327,7 @@ def bench_server_threads(n: int, partitions: int, thread_counts: list[int], repe
 def bench_gpu(repeats: int) -> None:
     import cupy
 
-    from kvstore.codecs import _cast_cuda
+    from kvstore.codecs.cast import cuda_kernels as _cast_cuda
 
     n = 100_000_000
     rng = cupy.random.default_rng(0)

@@ -44,8 +44,8 @@ BUILT_IN_CODECS = (
     "kvstore.codecs.sign.efsign:EFSignCodec",
     "kvstore.codecs.stochastic.terngrad:TernGradCodec",
     "kvstore.codecs.stochastic.qsgd:QsgdCodec",
-    "kvstore.codecs.cast16:Fp16Codec",
-    "kvstore.codecs.cast16:Bf16Codec",
+    "kvstore.codecs.cast:Fp16Codec",
+    "kvstore.codecs.cast:Bf16Codec",
     "kvstore.codecs.powersgd:PowerSGDCodec",
 )
 """The codecs of this package, ``"module:Class"``; adding a codec to the product adds its line."""

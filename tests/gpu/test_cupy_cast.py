@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from kvtest import require_cupy
 
-from kvstore.codecs import cast16, get_codec
+from kvstore.codecs import cast, get_codec
 from kvstore.errors import CodecError
 
 cupy = require_cupy()  # pytest.importorskip("cupy"), and a device
 
-from kvstore.codecs import _cast_cuda  # noqa: E402  (importing it needs CuPy)
+from kvstore.codecs.cast import cuda_kernels as cast_cuda  # noqa: E402  (importing it needs CuPy)
 
 pytestmark = pytest.mark.gpu
 
@@ -85,12 +85,12 @@ def test_every_16_bit_pattern_decodes_like_numpy(name):
     codes = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     widened = fmt.widen(codes)
     out = cupy.full(65536, cupy.nan, cupy.float32)
-    _cast_cuda.decode(cupy.asarray(codes), out, name == "bf16", False)
+    cast_cuda.decode(cupy.asarray(codes), out, name == "bf16", False)
     assert out.get().view(np.uint32).tobytes() == widened.view(np.uint32).tobytes()
     finite = np.isfinite(widened)
     base = np.full(65536, 2.0**-130, np.float32)  # a subnormal addend: kept, not flushed
     acc = cupy.asarray(base)
-    _cast_cuda.decode(cupy.asarray(codes), acc, name == "bf16", True)
+    cast_cuda.decode(cupy.asarray(codes), acc, name == "bf16", True)
     assert np.array_equal(acc.get()[finite], (base + widened)[finite])
 
 
@@ -113,16 +113,16 @@ def test_rounding_boundaries_and_random_patterns_encode_like_numpy(name):
     rng = np.random.default_rng(3)
     bits = rng.integers(0, 2**32, 4_000_000, dtype=np.uint64).astype(np.uint32)
     patterns = bits[(bits & 0x7F80_0000) != 0x7F80_0000].view(np.float32)
-    reports = _cast_cuda.OverflowReports()
+    reports = cast_cuda.OverflowReports()
     small = np.linspace(-1, 1, 1001, dtype=np.float32)  # after overflows: no stale report
     for values in (_boundaries(fmt), patterns, small, patterns, small, small):
         out = cupy.empty(values.size, cupy.uint16)
-        largest = _cast_cuda.encode(cupy.asarray(values), None, out, name == "bf16", reports)
+        largest = cast_cuda.encode(cupy.asarray(values), None, out, name == "bf16", reports)
         assert np.array_equal(out.get(), fmt.round(values))
         magnitudes = values.view(np.uint32) & 0x7FFF_FFFF
         overflowing = magnitudes[magnitudes >= fmt.overflow_bits]
         assert largest == (int(overflowing.max()) if overflowing.size else 0)
-        assert _cast_cuda.largest_magnitude(cupy.asarray(values)) == magnitudes.max()
+        assert cast_cuda.largest_magnitude(cupy.asarray(values)) == magnitudes.max()
 
 
 def test_an_overflow_is_refused_on_the_device_too():
@@ -158,5 +158,5 @@ def test_the_host_frames_are_pinned_numpy_arrays():
     values = np.linspace(-1, 1, 100, dtype=np.float32)
     (frame,) = encoder.encode(cupy.asarray(values))
     assert isinstance(frame, np.ndarray)
-    expected = cast16.bf16_round_reference(values)
+    expected = cast.bf16_round_reference(values)
     assert bytes(frame) == expected.astype("<u2").tobytes()

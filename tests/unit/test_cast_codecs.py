@@ -11,8 +11,9 @@ import struct
 import numpy as np
 import pytest
 
-from kvstore.codecs import _cast_numba, cast16, get_codec
+from kvstore.codecs import cast, get_codec
 from kvstore.codecs.base import frame_array
+from kvstore.codecs.cast import numba_kernels as cast_numba
 from kvstore.errors import CodecError
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -126,12 +127,12 @@ def test_the_numpy_reference_is_the_per_element_definition(name, error_feedback)
 
 
 def test_worked_examples():
-    fp16 = cast16.fp16_round_reference
+    fp16 = cast.fp16_round_reference
     values = np.array([1.0, -0.0, 65504, 65519.99, 65520, 2.0**-24, 2.0**-25, -3e-8], np.float32)
     assert [hex(h) for h in fp16(values)] == [
         "0x3c00", "0x8000", "0x7bff", "0x7bff", "0x7c00", "0x1", "0x0", "0x8001",
     ]  # fmt: skip
-    bf16 = cast16.bf16_round_reference(np.array([1.0, 1 + 2.0**-8, 1 + 3 * 2.0**-8], np.float32))
+    bf16 = cast.bf16_round_reference(np.array([1.0, 1 + 2.0**-8, 1 + 3 * 2.0**-8], np.float32))
     assert [hex(h) for h in bf16] == ["0x3f80", "0x3f80", "0x3f82"]  # ties to even
 
 
@@ -140,7 +141,7 @@ def test_worked_examples():
 
 def test_every_16_bit_pattern_widens_like_numpy():
     codes = np.arange(65536, dtype=np.uint32).astype(np.uint16)
-    for name, kernel in (("fp16", _cast_numba.decode_fp16), ("bf16", _cast_numba.decode_bf16)):
+    for name, kernel in (("fp16", cast_numba.decode_fp16), ("bf16", cast_numba.decode_bf16)):
         fmt = get_codec(name).format
         out = np.empty(65536, np.float32)
         kernel(codes, out, False)
@@ -171,7 +172,7 @@ def _boundaries(name):
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_rounding_boundaries_and_random_patterns_encode_like_numpy(name):
     fmt = get_codec(name).format
-    kernel = _cast_numba.encode_fp16 if name == "fp16" else _cast_numba.encode_bf16
+    kernel = cast_numba.encode_fp16 if name == "fp16" else cast_numba.encode_bf16
     rng = np.random.default_rng(2)
     bits = rng.integers(0, 2**32, 3_000_000, dtype=np.uint64).astype(np.uint32)
     patterns = bits[(bits & 0x7F80_0000) != 0x7F80_0000].view(np.float32)  # finite ones
@@ -179,7 +180,7 @@ def test_rounding_boundaries_and_random_patterns_encode_like_numpy(name):
         out = np.empty(values.size, np.uint16)
         largest = kernel(values, out)
         assert np.array_equal(out, fmt.round(values))
-        assert largest == cast16.largest_magnitude_reference(values)
+        assert largest == cast.largest_magnitude_reference(values)
     sample = _boundaries(name)[::97]
     assert [oracle_round(name, float(x)) for x in sample] == fmt.round(sample).tolist()
 

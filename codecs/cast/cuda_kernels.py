@@ -1,6 +1,7 @@
 """CuPy (CUDA) kernels of the 16-bit casts ``fp16`` and ``bf16``: the same bytes and residuals,
-bit for bit, as the numpy references of :mod:`kvstore.codecs.cast16` and the numba kernels of
-``_cast_numba``, whose bit-pattern arithmetic they repeat (see that module's docstring).
+bit for bit, as the numpy references of :mod:`kvstore.codecs.cast` and the numba kernels of
+:mod:`kvstore.codecs.cast.numba_kernels`, whose bit-pattern arithmetic they repeat (see that
+module's docstring).
 
 Four elements per thread: one ``float4`` of values (and of residuals) and one ``ushort4`` of
 codes when the arrays are 16-byte aligned, one by one for a misaligned view and the last partial

@@ -37,8 +37,9 @@ has an empty frame. **State**: ``("residual",)`` (float32, zero at start) with e
 none without.
 
 Implementations with one contract (identical bytes and residual bits on any finite input):
-the numpy references below, the numba kernels of ``_cast_numba`` (bit operations on the float32
-patterns: numba has no float16 on the CPU) and the CuPy kernels of ``_cast_cuda``.
+the numpy references below, the numba kernels of :mod:`kvstore.codecs.cast.numba_kernels` (bit
+operations on the float32 patterns: numba has no float16 on the CPU) and the CuPy kernels of
+:mod:`kvstore.codecs.cast.cuda_kernels`.
 """
 
 from __future__ import annotations
@@ -209,30 +210,32 @@ class Cast16Encoder(QuantizerEncoder):
             self.implementation = "numpy"  # the kernels write native uint16, the frame is <u2
         self._overflow = None
         if self.on_gpu and not codec.error_feedback:
-            from kvstore.codecs import _cast_cuda  # noqa: PLC0415
+            from kvstore.codecs.cast import cuda_kernels  # noqa: PLC0415
 
-            self._overflow = _cast_cuda.OverflowReports()  # the kernel's overflow reports
+            self._overflow = cuda_kernels.OverflowReports()  # the kernel's overflow reports
 
     def encode_reference(self, values: np.ndarray, frames: list[np.ndarray]) -> None:
         largest = encode_reference(self.fmt, values, self.residual, _codes_view(frames[0]))
         self._check_overflow(largest)
 
     def encode_compiled(self, values: np.ndarray, frames: list[np.ndarray]) -> None:
-        from kvstore.codecs import _cast_numba  # noqa: PLC0415  (compiles on first use)
+        from kvstore.codecs.cast import numba_kernels  # noqa: PLC0415  (compiles on first use)
 
         codes = _codes_view(frames[0])
         bf16 = self.fmt is BF16
         if self.residual is None:
-            kernel = _cast_numba.encode_bf16 if bf16 else _cast_numba.encode_fp16
+            kernel = numba_kernels.encode_bf16 if bf16 else numba_kernels.encode_fp16
             self._check_overflow(int(kernel(values, codes)))
         else:
-            kernel = _cast_numba.encode_bf16_feedback if bf16 else _cast_numba.encode_fp16_feedback
+            kernel = (
+                numba_kernels.encode_bf16_feedback if bf16 else numba_kernels.encode_fp16_feedback
+            )
             kernel(values, self.residual, codes)
 
     def encode_cuda(self, values: Any, frames: list[Any]) -> None:
-        from kvstore.codecs import _cast_cuda  # noqa: PLC0415
+        from kvstore.codecs.cast import cuda_kernels  # noqa: PLC0415
 
-        largest = _cast_cuda.encode(
+        largest = cuda_kernels.encode(
             values, self.residual, _codes_view(frames[0]), self.fmt is BF16, self._overflow
         )
         self._check_overflow(largest)
@@ -268,13 +271,13 @@ class Cast16KeyEncoder(QuantizerKeyEncoder):
 def largest_magnitude(values: Any, implementation: str) -> int:
     """The largest ``|v|`` of float32 ``values`` as bits, by ``implementation``."""
     if implementation == "cupy":
-        from kvstore.codecs import _cast_cuda  # noqa: PLC0415
+        from kvstore.codecs.cast import cuda_kernels  # noqa: PLC0415
 
-        return _cast_cuda.largest_magnitude(values)
+        return cuda_kernels.largest_magnitude(values)
     if implementation == "numba":
-        from kvstore.codecs import _cast_numba  # noqa: PLC0415
+        from kvstore.codecs.cast import numba_kernels  # noqa: PLC0415
 
-        return int(_cast_numba.largest_magnitude(values))
+        return int(numba_kernels.largest_magnitude(values))
     return largest_magnitude_reference(values)
 
 
@@ -342,9 +345,9 @@ class Cast16Codec(QuantizerCodec):
     ) -> None:
         codes = _codes_view(frames[0])[:numel]
         if implementation == "numba" and _LITTLE_ENDIAN:
-            from kvstore.codecs import _cast_numba  # noqa: PLC0415
+            from kvstore.codecs.cast import numba_kernels  # noqa: PLC0415
 
-            kernel = _cast_numba.decode_bf16 if self.format is BF16 else _cast_numba.decode_fp16
+            kernel = numba_kernels.decode_bf16 if self.format is BF16 else numba_kernels.decode_fp16
             kernel(codes, out, accumulate)
         else:
             decode_reference(self.format, codes, out, accumulate)

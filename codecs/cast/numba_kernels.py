@@ -1,7 +1,7 @@
 """Compiled CPU kernels of the 16-bit casts ``fp16`` and ``bf16`` (numba, GIL released, cached
 on disk).
 
-Bit for bit the numpy references of :mod:`kvstore.codecs.cast16`. numba has no float16 on the
+Bit for bit the numpy references of :mod:`kvstore.codecs.cast`. numba has no float16 on the
 CPU, so the conversions work on bit patterns: :func:`float32_bits` / :func:`bits_float32`
 reinterpret a float32 as its uint32 pattern and back (an LLVM ``bitcast``, no memory round
 trip), and everything else is uint32 arithmetic, compares and selects, which LLVM vectorizes
