@@ -25,11 +25,13 @@ error ``e``; ``Q`` the warm-start factor, ``m x r``, the same on every worker):
 The first ``warmup_steps`` pushes of a key are dense (``M`` is sent, ``e = 0``). The server
 tells a round's kind by its payload size: ``numel``, ``rows * r`` or ``m * r`` float32.
 
-**Defined matmuls** (the numpy reference, the numba kernels of ``_powersgd_numba`` and the CuPy
-kernels of ``_powersgd_cuda`` agree bit for bit): every entry of ``M @ Q``, ``M^T @ P_hat`` and
-``P_hat @ Q_i^T`` is a dot product of float32 terms whose products are taken exactly in float64
-(two float32 multiply exactly in float64), summed in float64 from ``+0.0`` over increasing
-index, and rounded once to float32. ``e`` is then ``M`` minus that float32 in float32.
+**Defined matmuls** (the numpy reference, the numba kernels of
+:mod:`~kvstore.codecs.powersgd.numba_kernels` and the CuPy kernels of
+:mod:`~kvstore.codecs.powersgd.cuda_kernels` agree bit for bit): every entry of ``M @ Q``,
+``M^T @ P_hat`` and ``P_hat @ Q_i^T`` is a dot product of float32 terms whose products are
+taken exactly in float64 (two float32 multiply exactly in float64), summed in float64 from
+``+0.0`` over increasing index, and rounded once to float32. ``e`` is then ``M`` minus that
+float32 in float32.
 
 **Initial factor** (:func:`initial_factor`): element ``(j, c)`` of the key's ``m x r`` matrix
 is ``(u0 + u1 + u2 + u3 - 2) * sqrt(3)``, four float32 uniforms of
@@ -286,16 +288,16 @@ class PowerSGDEncoder(Encoder):
         self._round = 1
         m = self.matrix
         if self.implementation == "cupy":
-            from kvstore.codecs import _powersgd_cuda  # noqa: PLC0415
+            from kvstore.codecs.powersgd import cuda_kernels  # noqa: PLC0415
             from kvstore.codecs.xp import device_to_host  # noqa: PLC0415
 
             with self.device:
-                _powersgd_cuda.accumulate_project(values, self.error, self.factor, self._p, m)
+                cuda_kernels.accumulate_project(values, self.error, self.factor, self._p, m)
                 device_to_host(self._p, self._p_frame)
         elif self.implementation == "numba":
-            from kvstore.codecs import _powersgd_numba  # noqa: PLC0415
+            from kvstore.codecs.powersgd import numba_kernels  # noqa: PLC0415
 
-            _powersgd_numba.accumulate_project(
+            numba_kernels.accumulate_project(
                 values, self.error, self.factor, m.rows, m.cols, m.rank, self._p
             )
         else:
@@ -310,13 +312,13 @@ class PowerSGDEncoder(Encoder):
             empty = pinned_empty if self.on_gpu else np.empty
             self._dense_frame = empty(self.numel, np.float32)
         if self.on_gpu:
-            from kvstore.codecs import _powersgd_cuda  # noqa: PLC0415
+            from kvstore.codecs.powersgd import cuda_kernels  # noqa: PLC0415
             from kvstore.codecs.xp import device_to_host  # noqa: PLC0415
 
             with self.device:
                 if self._dense is None:
                     self._dense = self.error.copy()
-                _powersgd_cuda.take_dense(values, self.error, self._dense)
+                cuda_kernels.take_dense(values, self.error, self._dense)
                 device_to_host(self._dense, self._dense_frame)  # (waits for the kernel)
         else:
             np.add(self.error, values, out=self._dense_frame)
@@ -330,18 +332,18 @@ class PowerSGDEncoder(Encoder):
         m = self.matrix
         p_hat = _reply_frame(reply, m.rows * m.rank, "the server's P_hat")
         if self.implementation == "cupy":
-            from kvstore.codecs import _powersgd_cuda  # noqa: PLC0415
+            from kvstore.codecs.powersgd import cuda_kernels  # noqa: PLC0415
             from kvstore.codecs.xp import device_to_host, host_to_device  # noqa: PLC0415
 
             with self.device:  # (this runs on the transport's thread)
                 host_to_device(p_hat, self._p_hat)
-                _powersgd_cuda.back_project(self.error, self._p_hat, self._q, m)
+                cuda_kernels.back_project(self.error, self._p_hat, self._q, m)
                 device_to_host(self._q, self._q_frame)
         elif self.implementation == "numba":
-            from kvstore.codecs import _powersgd_numba  # noqa: PLC0415
+            from kvstore.codecs.powersgd import numba_kernels  # noqa: PLC0415
 
             np.copyto(self._p_hat, p_hat)
-            _powersgd_numba.back_project(self.error, self._p_hat, m.rows, m.cols, m.rank, self._q)
+            numba_kernels.back_project(self.error, self._p_hat, m.rows, m.cols, m.rank, self._q)
         else:
             np.copyto(self._p_hat, p_hat)
             matrix = self.error.reshape(m.rows, m.cols)
@@ -357,16 +359,16 @@ class PowerSGDEncoder(Encoder):
         m = self.matrix
         q_sum = _reply_frame(reply, m.cols * m.rank, "the server's Q_sum")
         if self.implementation == "cupy":
-            from kvstore.codecs import _powersgd_cuda  # noqa: PLC0415
+            from kvstore.codecs.powersgd import cuda_kernels  # noqa: PLC0415
             from kvstore.codecs.xp import host_to_device  # noqa: PLC0415
 
             with self.device:
-                _powersgd_cuda.residual(self.error, self._p_hat, self._q, m)
+                cuda_kernels.residual(self.error, self._p_hat, self._q, m)
                 host_to_device(q_sum, self.factor)  # (waits for the stream: residual included)
         elif self.implementation == "numba":
-            from kvstore.codecs import _powersgd_numba  # noqa: PLC0415
+            from kvstore.codecs.powersgd import numba_kernels  # noqa: PLC0415
 
-            _powersgd_numba.residual(self.error, self._p_hat, self._q, m.rows, m.cols, m.rank)
+            numba_kernels.residual(self.error, self._p_hat, self._q, m.rows, m.cols, m.rank)
             np.copyto(self.factor, q_sum)
         else:
             approximation = approximation_reference(
