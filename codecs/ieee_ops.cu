@@ -1,13 +1,3 @@
-"""CUDA source shared by the codecs' CuPy kernels: float32 arithmetic exactly as numpy does it.
-
-CuPy compiles every kernel with ``-ftz=true``, under which the C operators flush subnormal
-inputs and results to zero (numpy and numba keep them), and NVRTC contracts ``a*b + c`` into a
-fused multiply-add. These helpers issue the PTX instructions themselves (round to nearest, no
-``.ftz``, never fused), so a kernel built on them gives numpy's bits. Prepend :data:`IEEE_OPS`
-to a kernel's source.
-"""
-
-IEEE_OPS = r"""
 /* IEEE float32 add, subtract and multiply, rounded to nearest, subnormals kept. */
 __device__ __forceinline__ float ieee_add(float a, float b) {
     float d;
@@ -38,4 +28,3 @@ __device__ __forceinline__ double ieee_widen(float a) {
 __device__ __forceinline__ unsigned int magnitude_key(float x) {
     return __float_as_uint(x) & 0x7fffffffu;
 }
-"""
