@@ -1,7 +1,8 @@
 """A worker's side of checkpoints: its codec state as a checkpoint part, and back.
 
-The client (:meth:`kvstore.KVStore.save_checkpoint` / ``load_checkpoint``) runs the collective
-protocol; the format is :mod:`kvstore.checkpoint`. A worker's part holds, per key chunk, its
+:mod:`kvstore.worker.checkpoint_protocol` runs the collective protocol
+(:meth:`kvstore.KVStore.save_checkpoint` / ``load_checkpoint``); the format is
+:mod:`kvstore.checkpoint`. A worker's part holds, per key chunk, its
 encoder's state (:meth:`kvstore.codecs.Encoder.state`: the 2-bit residual; CuPy state copied to
 the host) and how many pushes of the chunk it sent (for information: that count is matched by
 the servers' own and neither is restored). A chunk whose encoder was never made (no push yet)

@@ -32,18 +32,14 @@ import os
 import threading
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from kvstore import checkpoint
 from kvstore._malloc import tune_malloc
-from kvstore._version import __version__
 from kvstore.codecs import Codec, codec_from_spec
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.codecs.pulled import pull_codec_from_spec
 from kvstore.config import ClusterConfig, WorkerOptions
 from kvstore.errors import (
-    CheckpointError,
     CodecError,
     ConnectionLostError,
     DuplicateInitError,
@@ -56,9 +52,9 @@ from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
 from kvstore.topology import Key
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Op
-from kvstore.worker import checkpointing as ckpt
 from kvstore.worker import prefetch
 from kvstore.worker import values as vals
+from kvstore.worker.checkpoint_protocol import CheckpointProtocol
 from kvstore.worker.compressed_pulls import held_weights, init_fields
 from kvstore.worker.keys import (
     KeyArg,
@@ -157,6 +153,7 @@ class KVStore:
         self._stats = self._shared.stats
         self._pushes = Pushes(self._shared)
         self._pulls = Pulls(self._shared, self._pushes)
+        self._checkpoints = CheckpointProtocol(self._shared, self._pushes)
         if metrics is not None:
             stats = self._stats
             metrics.watch(
@@ -620,46 +617,7 @@ class KVStore:
         """
         self._check_open()
         with self._api_lock:
-            target = Path(path).absolute()
-            staging = checkpoint.staging_path(target)
-            mine = checkpoint.worker_file(self.rank)
-            local_error: BaseException | None = None
-            sha = ""
-            try:
-                self._pushes.wait_all()  # (an error here fails the call everywhere, not just here)
-                if self.rank == 0:
-                    checkpoint.clear_stale_manifest(staging)
-                arrays, meta = ckpt.codec_state(self._keys.values(), self.rank)
-                sha = checkpoint.write_part(staging, mine, arrays, meta)
-            except (OSError, KVStoreError) as exc:
-                local_error = exc
-            # Even when this worker failed: the servers refuse the call for everyone then.
-            self._checkpoint_call(Op.SAVE, {"p": str(staging)}, local_error, f"save to {target}")
-            finish_error: BaseException | None = None
-            if self.rank == 0:  # every part is in: the manifest, then the rename
-                try:
-                    checkpoint.finalize(
-                        target,
-                        staging,
-                        self._checkpoint_manifest(),
-                        checkpoint.part_names(self.num_servers, self.num_workers),
-                    )
-                except (OSError, KVStoreError) as exc:
-                    finish_error = exc
-            # Nobody returns before rank 0 finished (or failed).
-            self._transport.submit(0, Op.BARRIER, what="checkpoint barrier").wait(
-                self._options.timeout
-            )
-            if finish_error is not None:
-                raise CheckpointError(
-                    f"could not complete the checkpoint {target}: {finish_error}"
-                ) from finish_error
-            if self.rank != 0:
-                entry = checkpoint.read_manifest(target)["files"].get(mine, {})
-                if entry.get("sha256") != sha:
-                    raise CheckpointError(
-                        f"rank 0 did not complete the checkpoint {target} (see its error)"
-                    )
+            self._checkpoints.save(path)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore the state saved by :meth:`save_checkpoint`; collective, after the same
@@ -679,45 +637,7 @@ class KVStore:
         """
         self._check_open()
         with self._api_lock:
-            target = Path(path).absolute()
-            local_error: BaseException | None = None
-            manifest: dict[str, Any] = {}
-            plan: dict[Key, list[dict[str, Any] | None]] = {}
-            try:
-                self._pushes.wait_all()
-                manifest = checkpoint.read_manifest(target)
-                checkpoint.check_job(
-                    manifest,
-                    mode=self.type,
-                    num_workers=self.num_workers,
-                    num_servers=self.num_servers,
-                )
-                checkpoint.compare_keys(manifest["keys"], self._checkpoint_keys())
-                mine = checkpoint.worker_file(self.rank)
-                arrays, meta = checkpoint.read_part(target, mine, manifest)
-                plan = ckpt.plan_restore(self._keys, arrays, meta, str(target / mine))
-            except (OSError, KVStoreError) as exc:
-                local_error = exc
-            fields: dict[str, Any] = {"p": str(target)}
-            try:
-                self._checkpoint_call(Op.LOAD, {**fields, "ph": 0}, local_error, f"load {target}")
-            except KVStoreError:
-                try:  # every server drops what it staged; nothing changed anywhere
-                    self._checkpoint_call(Op.LOAD, {**fields, "ph": 2}, None, "abort")
-                except KVStoreError as exc:
-                    logger.debug("aborting the load of %s: %s", target, exc)
-                raise
-            self._checkpoint_call(Op.LOAD, {**fields, "ph": 1}, None, f"load {target}")
-            for key, state in self._keys.items():
-                state.key_encoder = None
-                state.encoders = [None] * len(state.chunks)
-                state.restored = plan[key]
-                prefetch.reset(state)  # values of a push from before the load
-                for held in state.held or ():  # the next pull brings the restored w_pub whole
-                    held.version = -1
-            saved = manifest.get("optimizer")
-            if saved is not None:
-                self._shared.optimizer = make_optimizer_spec(saved["name"], saved["params"])
+            self._checkpoints.load(path)
 
     def codec_state(self, keys: KeyArg) -> dict[str, Any]:
         """This worker's codec state of ``keys`` (not collective; the servers are not asked).
@@ -743,8 +663,7 @@ class KVStore:
             for name in names:
                 state = self._state(normalize_key(name))
                 states[state.key] = state
-            self._pushes.wait_all(states.values())
-            return ckpt.codec_state_dict(states.values(), self.rank)
+            return self._checkpoints.codec_state(states.values())
 
     def load_codec_state(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`codec_state` returned, on the worker that saved it (not
@@ -766,54 +685,7 @@ class KVStore:
         """
         self._check_open()
         with self._api_lock:
-            plan = ckpt.plan_codec_state(self._keys, state, self.rank)
-            states = [self._keys[key] for key in plan]
-            self._pushes.wait_all(states)  # (an in-flight round still writes into its encoder)
-            for key_state in states:
-                key_state.key_encoder = None
-                key_state.encoders = [None] * len(key_state.chunks)
-                key_state.restored = plan[key_state.key]
-
-    def _checkpoint_keys(self) -> list[dict[str, Any]]:
-        return [
-            checkpoint.key_spec(s.key, s.shape, s.dtype, s.codec.spec())
-            for s in self._keys.values()
-        ]
-
-    def _checkpoint_manifest(self) -> dict[str, Any]:
-        optimizer = self._shared.optimizer
-        return {
-            "pskv": __version__,
-            "mode": self.type,
-            "num_workers": self.num_workers,
-            "num_servers": self.num_servers,
-            "optimizer": None
-            if optimizer is None
-            else {"name": optimizer.name, "params": dict(optimizer.params)},
-            "keys": self._checkpoint_keys(),
-        }
-
-    def _checkpoint_call(
-        self, op: Op, fields: dict[str, Any], local_error: BaseException | None, what: str
-    ) -> None:
-        """Send a collective SAVE or LOAD to every server and wait for all of them. With
-        ``local_error`` (this worker could not do its part) the servers refuse the call for
-        every worker, and this worker raises its own error."""
-        if local_error is not None:
-            fields = {**fields, "er": f"{type(local_error).__name__}: {local_error}"[:2000]}
-        requests = [
-            self._transport.submit(s, op, fields, what=f"{what} (server {s})")
-            for s in range(self.num_servers)
-        ]
-        try:
-            wait_all(requests, self._options.timeout)
-        except KVStoreError:
-            if local_error is None:
-                raise
-        if local_error is not None:  # (the servers' error only repeats it)
-            if isinstance(local_error, KVStoreError):  # (a lost worker stays a WorkerLostError)
-                raise local_error
-            raise CheckpointError(f"{what}: {local_error}") from local_error
+            self._checkpoints.load_codec_state(state)
 
     # introspection -------------------------------------------------------------------------
 
