@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import threading
 
-from kvstore.wire import Message, Op
+from kvstore.wire import Message, Op, ReplyFields
 from kvstore.worker.request import Request
 
 
 def _reply() -> Message:
-    return Message(op=Op.REPLY, rid=1, fields={}, payloads=[])
+    return Message(op=Op.REPLY, rid=1, body=ReplyFields(), fields={}, payloads=[])
 
 
 def test_a_callback_added_before_the_reply_runs_when_it_completes():
