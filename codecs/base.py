@@ -299,6 +299,10 @@ class Codec(ABC):
     name: ClassVar[str]
     dtypes: ClassVar[frozenset[str]]
     param_defaults: ClassVar[dict[str, ParamValue]] = {}
+    example_params: ClassVar[tuple[dict[str, ParamValue], ...]] = ({},)
+    """Parameter sets that between them take every path of the codec's encoders, its typical
+    setting first. The parity check (``tests/codec_parity.py``) runs each through every
+    implementation of every registered codec; the default runs the codec with its defaults."""
     round_trips: ClassVar[int] = 1
     """The most round trips a push of one chunk takes per step (see
     :attr:`Encoder.round_trips`); more than 1 needs ``dist_sync``."""

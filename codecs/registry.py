@@ -134,15 +134,6 @@ def _load_entry_point(name: str) -> type[Codec] | None:
     return cls
 
 
-def _codec_class(name: str) -> type[Codec] | None:
-    cls = _REGISTRY.get(name)
-    if cls is not None:
-        return cls
-    with _LOCK:
-        cls = _REGISTRY.get(name)  # another thread may have loaded it meanwhile
-        return cls if cls is not None else _load_entry_point(name)
-
-
 def built_in_codecs() -> list[str]:
     """Names of the codecs of this package (:data:`BUILT_IN_CODECS`), sorted."""
     return sorted(_import_object(reference).name for reference in BUILT_IN_CODECS)
@@ -159,21 +150,35 @@ def registered_codecs() -> list[str]:
     return sorted(set(_REGISTRY) | set(_installed_entry_points()))
 
 
-def get_codec(name: str, **params: Any) -> Codec:
-    """Instantiate the codec registered as ``name`` with validated ``params``.
+def codec_class(name: str) -> type[Codec]:
+    """The codec class registered as ``name``; an installed distribution's entry point of that
+    name is loaded the first time it is asked for.
 
     Raises:
-        CodecError: unknown name (the message lists the registered ones), an installed codec
-            that fails to load, or bad parameters.
+        CodecError: unknown name (the message lists the registered ones), or an installed codec
+            that fails to load.
     """
     if not isinstance(name, str):
         raise CodecError(f"expected str for codec `type`, got {type(name).__name__}")
-    cls = _codec_class(name)
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        with _LOCK:  # another thread may be loading the same entry point
+            cls = _REGISTRY.get(name) or _load_entry_point(name)
     if cls is None:
         raise CodecError(
             f"unknown codec {name!r}; registered codecs: {', '.join(registered_codecs())}"
         )
-    return cls(**params)
+    return cls
+
+
+def get_codec(name: str, **params: Any) -> Codec:
+    """Instantiate the codec registered as ``name`` with validated ``params``.
+
+    Raises:
+        CodecError: unknown name, an installed codec that fails to load (see
+            :func:`codec_class`), or bad parameters.
+    """
+    return codec_class(name)(**params)
 
 
 def codec_from_spec(spec: dict[str, Any]) -> Codec:

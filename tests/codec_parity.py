@@ -14,35 +14,27 @@ from typing import Any
 import numpy as np
 
 from kvstore.codecs import codec_from_spec
+from kvstore.codecs.registry import built_in_codecs, codec_class, installed_codecs
 
-SPECS: dict[str, dict[str, Any]] = {
-    "none": {"type": "none"},
-    "2bit": {"type": "2bit", "threshold": 0.5},
-    "threshold": {"type": "threshold", "threshold": 1.5},
-    "topk": {"type": "topk", "ratio": 0.01},
-    "randomk": {"type": "randomk", "ratio": 0.02, "seed": 3},
-    "dgc": {"type": "dgc", "ratio": 0.01, "warmup_steps": 4},
-    "1bit": {"type": "1bit"},
-    "efsign": {"type": "efsign"},
-    "terngrad": {"type": "terngrad", "seed": 7},
-    "qsgd": {"type": "qsgd", "seed": 7},
-    "fp16": {"type": "fp16"},
-    "bf16": {"type": "bf16", "error_feedback": True},
-    "powersgd": {"type": "powersgd", "rank": 2, "warmup_steps": 1, "seed": 3},
-}
-"""A spec of every registered codec (a new codec adds its line; a test checks they match)."""
 
-EXTRA_SPECS = [
-    {"type": "2bit", "threshold": 0.25, "residual_clip": 1},
-    {"type": "topk", "ratio": 0.05, "sample": 0},
-    {"type": "dgc", "ratio": 0.02, "nesterov": True, "clip_norm": 30.0},
-    {"type": "terngrad", "clip": 0},
-    {"type": "qsgd", "levels": 1, "bucket": 100},
-    {"type": "qsgd", "levels": 127, "bucket": 5000, "seed": 2},
-    {"type": "fp16", "error_feedback": True},
-    {"type": "bf16"},
-]
-"""Variants worth their own run."""
+def parity_codecs() -> list[str]:
+    """The codecs the check runs: the built-in ones and those of installed distributions (codecs
+    that a program or a test registers at run time are its own business)."""
+    return sorted(set(built_in_codecs()) | set(installed_codecs()))
+
+
+def parity_specs() -> list[dict[str, Any]]:
+    """A spec for each of every checked codec's :attr:`~kvstore.codecs.Codec.example_params`."""
+    return [
+        {"type": name, **params}
+        for name in parity_codecs()
+        for params in codec_class(name).example_params
+    ]
+
+
+SPECS = parity_specs()
+"""Found in the registry: a new codec is checked once it is registered, with its example
+parameter sets (its defaults when it declares none)."""
 
 LENGTHS_AND_BOUNDS = [
     (1, [(0, 1)]),

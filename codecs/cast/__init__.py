@@ -359,6 +359,7 @@ class Fp16Codec(Cast16Codec):
 
     name = "fp16"
     format = FP16
+    example_params = ({}, {"error_feedback": True})
 
 
 class Bf16Codec(Cast16Codec):
@@ -366,3 +367,4 @@ class Bf16Codec(Cast16Codec):
 
     name = "bf16"
     format = BF16
+    example_params = ({"error_feedback": True}, {})

@@ -532,6 +532,7 @@ class PowerSGDCodec(Codec):
     name = "powersgd"
     dtypes = frozenset({"float32"})
     param_defaults = {"rank": 4, "warmup_steps": 0, "seed": 0}
+    example_params = ({"rank": 2, "warmup_steps": 1, "seed": 3},)
     round_trips = 2
 
     def __init__(self, **params: Any) -> None:

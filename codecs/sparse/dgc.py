@@ -140,6 +140,10 @@ class DGCCodec(SparseCodec):
         "clip_norm": None,
         "warmup_steps": 0,
     }
+    example_params = (
+        {"ratio": 0.01, "warmup_steps": 4},
+        {"ratio": 0.02, "nesterov": True, "clip_norm": 30.0},
+    )
     state_names = ("u", "v")
 
     def __init__(self, **params: Any) -> None:

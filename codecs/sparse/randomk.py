@@ -106,6 +106,7 @@ class RandomKCodec(SparseCodec):
 
     name = "randomk"
     param_defaults = {"ratio": 0.01, "seed": 0}
+    example_params = ({"ratio": 0.02, "seed": 3},)
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)

@@ -45,6 +45,7 @@ class ThresholdCodec(SparseCodec):
 
     name = "threshold"
     param_defaults = {"threshold": None}
+    example_params = ({"threshold": 1.5},)
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)

@@ -106,6 +106,7 @@ class TopKCodec(SparseCodec):
 
     name = "topk"
     param_defaults = {"ratio": 0.01, "sample": 0.01}
+    example_params = ({"ratio": 0.01}, {"ratio": 0.05, "sample": 0})
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)

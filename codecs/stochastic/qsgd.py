@@ -263,6 +263,11 @@ class QsgdCodec(QuantizerCodec):
     infinite_scales = True  # a bucket whose norm overflows float32 goes as zeros
     name = "qsgd"
     param_defaults = {"levels": 15, "bucket": 512, "seed": 0}
+    example_params = (
+        {"seed": 7},
+        {"levels": 1, "bucket": 100},
+        {"levels": 127, "bucket": 5000, "seed": 2},
+    )
     stochastic = True
 
     def __init__(self, **params: Any) -> None:

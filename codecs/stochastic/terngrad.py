@@ -215,6 +215,7 @@ class TernGradCodec(QuantizerCodec):
 
     name = "terngrad"
     param_defaults = {"clip": 2.5, "seed": 0}
+    example_params = ({"seed": 7}, {"clip": 0})
     stochastic = True
 
     def __init__(self, **params: Any) -> None:

@@ -506,6 +506,7 @@ class TwoBitCodec(Codec):
     name = "2bit"
     dtypes = frozenset({"float32"})
     param_defaults = {"threshold": 0.5, "residual_clip": None}
+    example_params = ({"threshold": 0.5}, {"threshold": 0.25, "residual_clip": 1})
     # Decoding is exact (+t, -t or +0.0) and the server adds the decoded pushes one after
     # another in float32, so the worker can redo the sum from the pushes bit for bit.
     relayable = True

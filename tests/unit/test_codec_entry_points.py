@@ -130,3 +130,11 @@ def test_an_unknown_name_still_lists_the_known_ones(site):
     install(site, "ep-listed", "ep_listed", {"ep-listed": "ep_listed:L"}, _body("L", "ep-listed"))
     with pytest.raises(CodecError, match="unknown codec 'zip'; registered codecs: .*ep-listed"):
         get_codec("zip")
+
+
+def test_an_installed_codec_is_in_the_parity_check(site):
+    from codec_parity import parity_specs
+
+    body = _body("Checked", "ep-checked")
+    install(site, "ep-checked", "ep_checked", {"ep-checked": "ep_checked:Checked"}, body)
+    assert {"type": "ep-checked"} in parity_specs()  # its defaults: it declares no examples
