@@ -14,8 +14,8 @@ terms are widened with ``ieee_widen`` and the sum is narrowed with ``cvt.rn.f32.
   the threads of a warp read 32 consecutive columns of a row (coalesced).
 * ``M - P_hat @ Q^T`` (:func:`residual`): one thread per element.
 
-Imported only when a CuPy array is encoded; importing it needs CuPy. Untested here (no GPU on
-the development machine); tests/gpu/test_cupy_powersgd.py checks it against the reference.
+Imported only when a CuPy array is encoded; importing it needs CuPy.
+``tests/gpu/test_cupy_powersgd.py`` checks it against the reference.
 """
 
 from __future__ import annotations

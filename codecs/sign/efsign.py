@@ -17,9 +17,9 @@ sign quantizer of :mod:`kvstore.codecs.sign.onebit` with the levels ``s`` and ``
 encoder, kernels and server decode.
 
 The residual is in gradient units: the workers push raw gradients and the server's optimizer
-applies the learning rate to the decoded sum (the reference code keeps its memory in update
-units, with the learning rate inside; ``reference/algorithms.md`` §0.1, §2.3). The scale is per
-chunk (the unit one server receives), not per tensor.
+applies the learning rate to the decoded sum (the paper's algorithm keeps its memory in update
+units, with the learning rate inside). The scale is per chunk (the unit one server receives), not
+per tensor.
 
 **Payload**: the scales frame ``[s]`` (one float32) and ``ceil(n/8)`` code bytes, element ``j``'s
 bit at bit ``j % 8`` of byte ``j // 8``, padding bits zero. The server decodes

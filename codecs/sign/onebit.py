@@ -11,8 +11,8 @@ chunk per worker, zero at start; state ``("residual",)``; nothing random)::
     r = p - decoded                             float32 subtract
 
 The residual is in gradient units: the workers push raw gradients, the server's optimizer
-applies the learning rate to the decoded sum (CNTK's 1-bit SGD; ``reference/algorithms.md``
-§0.1, §2.1), so what a push did not send is simply carried into the next one.
+applies the learning rate to the decoded sum (as CNTK's 1-bit SGD does), so what a push did
+not send is simply carried into the next one.
 
 ``1bit``'s levels are the means of the two sides of ``p`` (CNTK's zero threshold)::
 

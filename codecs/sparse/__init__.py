@@ -103,7 +103,7 @@ class SamplePlan(NamedTuple):
 
 
 def sample_plan(numel: int, ratio: float, sample: float, start_hash: int) -> SamplePlan:
-    """DGC's sampling table (``reference/algorithms.md`` §5.3), with a deterministic start.
+    """DGC's sampled threshold estimate (Lin et al., ICLR 2018), with a deterministic start.
 
     A key of at most ``ceil(2 / ratio)`` elements is sampled whole. Otherwise about
     ``max(ceil(n * sample), ceil(2 / ratio))`` samples are taken at an odd stride (odd against

@@ -12,7 +12,7 @@ chunks live on)::
 with ``T`` the k-th largest magnitude, every element above ``T`` and the lowest-index elements
 equal to ``T`` until there are ``k``.
 
-*Sampled* selection (DGC's hierarchical threshold, ``reference/algorithms.md`` §5.3, made
+*Sampled* selection (the threshold estimate of Deep Gradient Compression, Lin et al. 2018, made
 deterministic): ``abs(r)`` is sampled at an odd stride from a start that changes every push
 (:func:`kvstore.codecs.sparse.sample_plan`, keyed by the key and the push count); the threshold
 ``thr`` is the ``ceil(ratio * samples)``-th largest sample, and the candidates are every element

@@ -140,7 +140,7 @@ def test_counts_read_ratios_as_decimals():
 
 
 def test_sample_plan_matches_dgc_worked_values():
-    # reference/algorithms.md §5.3: a 3x3x512x512 conv at ratio 0.001 -> stride 97, 24,322
+    # DGC's sampling: a 3x3x512x512 conv at ratio 0.001 -> stride 97, 24,322
     # samples, threshold from the top 25; a 7x7x3x64 conv is sampled whole.
     plan = sparse.sample_plan(2_359_296, 0.001, 0.01, start_hash=1000)
     assert (plan.stride, plan.count, plan.top) == (97, 24_322, 25)
