@@ -1,22 +1,32 @@
 """The worker-side client: :class:`KVStore`, with MXNet's ``push``/``pull`` vocabulary.
 
-Per key the client keeps its shape, dtype, chunks (:func:`kvstore.topology.plan_chunks`), the
-codec chosen when it was initialised, its :class:`~kvstore.codecs.base.KeyEncoder` with one
-:class:`~kvstore.codecs.Encoder` per chunk (which holds this worker's residual for that chunk;
-codecs that select over the whole key, like top-k, do that once per push in the key encoder),
-plus each chunk's last push in flight.
+:class:`KVStore` checks each call's arguments and hands the work to its parts, which share the
+store's job, settings, keys, counters and connection
+(:class:`~kvstore.worker.store_state.StoreState`):
 
-Ordering: ``push`` encodes each chunk on the caller's thread and queues it; it returns when the
-caller's value is no longer needed, without waiting for the network. A chunk is re-encoded only
-after its previous push was answered (its buffers are reused). A pull request carries how many
-pushes of the chunk this worker sent so far, and each server answers it only after that many
-were applied (in ``dist_sync``: after the whole round), so ``push`` followed by ``pull`` returns
-the round's result even though pulls travel on a connection of their own. Errors of a
-push are raised by the next call that waits on it: a later push or pull of the same key,
-``barrier`` or ``close``.
+=============================================  ===============================================
+:mod:`~kvstore.worker.keys`                    what the client keeps per key; key arguments
+:mod:`~kvstore.worker.pushes`                  encoding and sending pushes, waiting for them
+:mod:`~kvstore.worker.pulls`                   pull requests, and the wait for their values
+:mod:`~kvstore.worker.landing`                 the replies put into ``out``
+:mod:`~kvstore.worker.checkpoint_protocol`     checkpoints and the codec state
+:mod:`~kvstore.worker.session`                 the handshake and the goodbyes
+:mod:`~kvstore.worker.transport`               the sockets and the I/O thread
+=============================================  ===============================================
 
-Codecs with several round trips per step (PowerSGD) push each chunk as a chain of plain
-pushes tracked as one (:mod:`kvstore.worker.round_trips`).
+Ordering: ``push`` returns once the values are encoded, without waiting for the network; a
+pull request carries how many pushes of the chunk this worker sent so far, and each server
+answers it only after that many were applied (in ``dist_sync``: after the whole round), so
+``push`` followed by ``pull`` returns the round's result even though pulls travel on a
+connection of their own. Errors of a push are raised by the next call that waits on it: a
+later push or pull of the same key, ``barrier`` or ``close``.
+
+Optional speed-ups live beside that path, each in a module of its own: pushes that prefetch
+the round's value (:mod:`~kvstore.worker.prefetch`), relayed pulls
+(:mod:`~kvstore.worker.relayed_pulls`), the push lead (:mod:`~kvstore.worker.push_lead`), the
+send window (:mod:`~kvstore.worker.send_window`), the kernel's unsent-bytes limit
+(:mod:`~kvstore.worker.connections`), and sends without copies (:mod:`kvstore.zerocopy`;
+``borrow=True`` for the caller's own memory).
 
 With ``KVSTORE_METRICS_PORT`` (``options.metrics``) the store serves Prometheus metrics
 (:mod:`kvstore.metrics`) until it closes: the transport counts the traffic, and on one push of a
@@ -27,7 +37,6 @@ sent (:meth:`~kvstore.codecs.Encoder.quality`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import threading
 import uuid
@@ -41,17 +50,15 @@ from kvstore.codecs.pulled import pull_codec_from_spec
 from kvstore.config import ClusterConfig, WorkerOptions
 from kvstore.errors import (
     CodecError,
-    ConnectionLostError,
     DuplicateInitError,
     KVStoreError,
-    KVStoreTimeoutError,
     OptimizerError,
     UsageError,
 )
 from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
 from kvstore.topology import Key
-from kvstore.wire import LANE_CONTROL, LANE_DATA, Op
+from kvstore.wire import Op
 from kvstore.worker import prefetch
 from kvstore.worker import values as vals
 from kvstore.worker.checkpoint_protocol import CheckpointProtocol
@@ -68,12 +75,11 @@ from kvstore.worker.landing import Landing
 from kvstore.worker.pulls import Pulls
 from kvstore.worker.pushes import Pushes
 from kvstore.worker.relayed_pulls import relay_limit
-from kvstore.worker.request import Deadline, Request, wait_all
+from kvstore.worker.request import Deadline, wait_all
+from kvstore.worker.session import handshake, say_goodbye
 from kvstore.worker.stats import TrafficStats
 from kvstore.worker.store_state import StoreState
 from kvstore.worker.transport import Transport
-
-logger = logging.getLogger(__name__)
 
 
 class KVStore:
@@ -101,7 +107,6 @@ class KVStore:
         self.rank = cluster.rank
         self.num_workers = cluster.num_workers
         self.num_servers = cluster.num_servers
-        self._cluster = cluster
         # Settings left to the job's size (push lead, TOS) are fixed here, once.
         self._options = (options or WorkerOptions()).for_job(cluster.num_workers)
         self._codec: Codec = IdentityCodec()
@@ -160,64 +165,12 @@ class KVStore:
                 lambda: (stats.pushed_bytes, stats.pushed_raw_bytes), transport.queue_depths
             )
         try:
-            self._handshake()
+            handshake(self._shared, cluster.servers)
         except BaseException:
             self._shutdown_transport()
             raise
 
     # lifecycle ---------------------------------------------------------------------------------
-
-    def _handshake(self) -> None:
-        timeout = self._options.connect_timeout
-        requests = [
-            self._transport.submit(
-                server,
-                Op.HELLO,
-                {
-                    "r": self.rank,
-                    "nw": self.num_workers,
-                    "ns": self.num_servers,
-                    "si": server,
-                    "m": self.type,
-                    "ln": lane,
-                    # the server refuses us here if our chunks could exceed its message limit
-                    "pb": self._options.partition_bytes,
-                },
-                what=f"handshake with server {server} ({address})",
-                lane=lane,
-            )
-            for server, address in enumerate(self._cluster.servers)
-            for lane in (LANE_DATA, LANE_CONTROL)
-        ]
-        try:
-            wait_all(requests, timeout)
-        except KVStoreTimeoutError:
-            self._leave_after_refusal(requests)
-            silent = [r.server for r in requests if not r.done()]
-            addresses = ", ".join(self._cluster.servers[s] for s in silent)
-            raise ConnectionLostError(
-                f"server(s) {silent} ({addresses}) did not answer within {timeout} s "
-                f"(KVSTORE_CONNECT_TIMEOUT): are they running? `kvstore-launch` starts them"
-            ) from None
-        except KVStoreError:
-            self._leave_after_refusal(requests)
-            raise
-
-    def _leave_after_refusal(self, hellos: list[Request]) -> None:
-        """Say goodbye where a HELLO was accepted although another server refused us, so that
-        those servers do not hold this rank for a worker that is not coming (a replacement
-        that retries before every server released its predecessor's rank)."""
-        # (the HELLOs are per server, data lane then control lane: see _handshake)
-        lanes = [(r.server, (LANE_DATA, LANE_CONTROL)[i % 2]) for i, r in enumerate(hellos)]
-        byes = [
-            self._transport.submit(server, Op.BYE, what="goodbye", lane=lane)
-            for (server, lane), hello in zip(lanes, hellos, strict=True)
-            if hello.done() and not hello.failed()
-        ]
-        try:
-            wait_all(byes, timeout=1.0)
-        except KVStoreError as exc:
-            logger.debug("goodbye after a refused handshake not acknowledged: %s", exc)
 
     def _shutdown_transport(self) -> None:
         try:
@@ -248,18 +201,7 @@ class KVStore:
             self._pushes.wait_all(deadline=deadline)
         except KVStoreError as exc:
             error = exc
-        try:
-            byes = [
-                self._transport.submit(s, Op.BYE, what="goodbye", lane=lane)
-                for s in range(self.num_servers)
-                for lane in (LANE_DATA, LANE_CONTROL)
-            ]
-            # At most 5 s, and within KVSTORE_TIMEOUT give or take a moment to send them: a
-            # server that misses a goodbye releases the rank after KVSTORE_HEARTBEAT_TIMEOUT.
-            remaining = deadline.remaining()
-            wait_all(byes, timeout=5.0 if remaining is None else min(5.0, max(remaining, 0.2)))
-        except KVStoreError as exc:
-            logger.debug("goodbye not acknowledged: %s", exc)
+        say_goodbye(self._shared, deadline)
         self._shutdown_transport()
         if error is not None:
             raise error

@@ -1,0 +1,100 @@
+"""A worker's session with the servers: the handshake that joins the job, and the goodbyes.
+
+Every lane of every server gets a HELLO (rank, job shape, mode, lane, the largest chunk), and a
+server refuses a worker that does not fit its job; a worker that some servers took and another
+refused says goodbye to those that took it, so they do not hold its rank. At ``close`` every
+lane gets a BYE, so the servers release the rank at once instead of after their heartbeat
+timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvstore.errors import ConnectionLostError, KVStoreError, KVStoreTimeoutError
+from kvstore.wire import LANE_CONTROL, LANE_DATA, Op
+from kvstore.worker.request import Deadline, Request, wait_all
+from kvstore.worker.store_state import StoreState
+from kvstore.worker.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+def handshake(store: StoreState, servers: Sequence[str]) -> None:
+    """Join the job on every server (``servers``: their addresses, in rank order), within
+    ``KVSTORE_CONNECT_TIMEOUT``.
+
+    Raises:
+        ConnectionLostError: a server did not answer.
+        KVStoreError: a server refused this worker (the server's error).
+    """
+    transport = store.transport
+    timeout = store.options.connect_timeout
+    requests = [
+        transport.submit(
+            server,
+            Op.HELLO,
+            {
+                "r": store.rank,
+                "nw": store.num_workers,
+                "ns": store.num_servers,
+                "si": server,
+                "m": store.mode,
+                "ln": lane,
+                # the server refuses us here if our chunks could exceed its message limit
+                "pb": store.options.partition_bytes,
+            },
+            what=f"handshake with server {server} ({address})",
+            lane=lane,
+        )
+        for server, address in enumerate(servers)
+        for lane in (LANE_DATA, LANE_CONTROL)
+    ]
+    try:
+        wait_all(requests, timeout)
+    except KVStoreTimeoutError:
+        _leave_after_refusal(transport, requests)
+        silent = [r.server for r in requests if not r.done()]
+        addresses = ", ".join(servers[s] for s in silent)
+        raise ConnectionLostError(
+            f"server(s) {silent} ({addresses}) did not answer within {timeout} s "
+            f"(KVSTORE_CONNECT_TIMEOUT): are they running? `kvstore-launch` starts them"
+        ) from None
+    except KVStoreError:
+        _leave_after_refusal(transport, requests)
+        raise
+
+
+def _leave_after_refusal(transport: Transport, hellos: list[Request]) -> None:
+    """Say goodbye where a HELLO was accepted although another server refused us, so that
+    those servers do not hold this rank for a worker that is not coming (a replacement
+    that retries before every server released its predecessor's rank)."""
+    # (the HELLOs are per server, data lane then control lane: see handshake)
+    lanes = [(r.server, (LANE_DATA, LANE_CONTROL)[i % 2]) for i, r in enumerate(hellos)]
+    byes = [
+        transport.submit(server, Op.BYE, what="goodbye", lane=lane)
+        for (server, lane), hello in zip(lanes, hellos, strict=True)
+        if hello.done() and not hello.failed()
+    ]
+    try:
+        wait_all(byes, timeout=1.0)
+    except KVStoreError as exc:
+        logger.debug("goodbye after a refused handshake not acknowledged: %s", exc)
+
+
+def say_goodbye(store: StoreState, deadline: Deadline) -> None:
+    """Say goodbye on every lane of every server (at the end of ``close``); a goodbye that is
+    not acknowledged is only logged."""
+    try:
+        byes = [
+            store.transport.submit(s, Op.BYE, what="goodbye", lane=lane)
+            for s in range(store.num_servers)
+            for lane in (LANE_DATA, LANE_CONTROL)
+        ]
+        # At most 5 s, and within KVSTORE_TIMEOUT give or take a moment to send them: a
+        # server that misses a goodbye releases the rank after KVSTORE_HEARTBEAT_TIMEOUT.
+        remaining = deadline.remaining()
+        wait_all(byes, timeout=5.0 if remaining is None else min(5.0, max(remaining, 0.2)))
+    except KVStoreError as exc:
+        logger.debug("goodbye not acknowledged: %s", exc)
