@@ -29,6 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from kvstore import wire
 from kvstore.errors import ErrorCode
@@ -204,7 +205,7 @@ class Membership:
                 f"{timeout:g}): it died, stalled or lost its network",
             )
 
-    def refuse_stranger(self, identity: bytes, msg: Message) -> None:
+    def refuse_stranger(self, identity: bytes, msg: Message) -> NoReturn:
         """Raise the error for a request from a connection without a session."""
         rank = self._released.get(identity)
         if rank is not None:
