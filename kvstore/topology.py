@@ -30,18 +30,15 @@ Rules (docs/design.md, "Sharding"):
   about ``p_1`` plus the replies, and a small first chunk starts them early. Where both are
   the same size (dense) it is the transfer plus the longest chunk's round, however the chunks
   are sized or ordered: ramps only add chunks, and so CPU, which is what the measurement
-  behind :data:`LONG_MIN_CHUNK_FRACTION` found (ramps in long slices were slower). In key10m
-  dense, 4 workers x 4 separate servers at 1 Gbit/s (19 chunks of 514 KiB per slice) that
-  bound is the floor plus 16.8 ms (1.053x); ``bench_cluster.py --round-trace`` showed the
-  first round of a step complete at 35.5 ms (median) and the step take 376 ms against a floor
-  of 320. (A round completes when the slowest worker's push of its chunk arrives; where TCP
-  shares a server's link unevenly among many workers, rounds complete in bursts and the
-  outgoing link waits between them: see docs/performance.md, shaped-link cluster.)
+  behind :data:`LONG_MIN_CHUNK_FRACTION` found (ramps in long slices were slower). (A round
+  completes when the slowest worker's push of its chunk arrives; where TCP shares a server's
+  link unevenly among many workers, rounds complete in bursts and the outgoing link waits
+  between them: see docs/performance.md, shaped-link cluster.)
 * No chunk is shorter than :func:`min_chunk_elems` (a quarter partition, 1 MiB of fp32 by
   default; an eighth in a long slice) unless its slice is. Every chunk costs a fixed amount of
   CPU on the worker and the server, whatever its size (two requests, their replies, a round's
-  bookkeeping: about 0.25 ms on the worker and 0.17 ms per worker on the server, on loopback,
-  from ``benchmarks/bench_chunk_cost.py``). A deeper pipeline brings a step closer to the wire
+  bookkeeping: about 0.25 ms on the worker and 0.16 ms per worker on the server, on loopback:
+  docs/performance.md, "Cost of a chunk"). A deeper pipeline brings a step closer to the wire
   floor where many workers share a server's link and CPU is spare (a smaller
   ``partition_elems`` gives one), but on the 2-core development machine at 1 Gbit/s more and
   shorter chunks than these cost more CPU than they gained, except in long slices (see
