@@ -20,7 +20,7 @@ The cost model, stated (the constants are flags):
   ``docs/performance.md``, cost of a chunk, and ``kvstore/topology.py`` record) plus a round
   trip of 0.1 ms (1 Gbit/s) or 0.05 ms (10 Gbit/s). Bytes per element: a sparse pull of the
   union of the ``--workers`` workers' pairs (``8 * ratio * workers``, the paper's all-gather
-  model; the compressed return path is planned) or the dense float32 pull of today (4); the
+  model, as top-k pulls send) or a dense float32 pull (4); the
   push (``8 * ratio``) travels the other direction, concurrently.
 
     python -m benchmarks.mgs_plan --preset smoke
