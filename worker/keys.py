@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -70,7 +70,7 @@ class KeyState:
     prefetched: list[Request] | None = None
     # Encoder state loaded from a checkpoint, per chunk, waiting for the chunk's encoder to be
     # made (None: nothing waits); see kvstore.worker.checkpointing.
-    restored: list[dict[str, Any] | None] | None = None
+    restored: Sequence[Mapping[str, np.ndarray] | None] | None = None
 
     def pull_fields(self, chunk: Chunk) -> dict[str, int]:
         """The fields of a request for ``chunk``'s value: the version of ``w_pub`` this worker

@@ -148,14 +148,16 @@ class FlatTarget:
         self._out = out
         self._finish: Callable[[], None] | None = None
         self.on_gpu = False
+        self.flat: Any  # the flat array the chunks are written into (numpy or CuPy)
         if isinstance(out, np.ndarray):
             self._init_numpy(out)
         elif _is_torch_tensor(out):
             self._init_torch(out)
         else:  # CuPy
             self.on_gpu = True
-            self.flat = out.reshape(-1) if out.flags.c_contiguous else None
-            if self.flat is None:
+            if out.flags.c_contiguous:
+                self.flat = out.reshape(-1)
+            else:
                 staging = cupy_or_none().empty(out.size, dtype=out.dtype)
                 self.flat = staging
 
@@ -199,15 +201,15 @@ class FlatTarget:
             self.on_gpu = True
             self.flat = wrapped.reshape(-1)
             return
-        staging = np.empty(tensor.numel(), dtype=_torch_dtype_name(tensor))
-        self.flat = staging
+        host_staging = np.empty(tensor.numel(), dtype=_torch_dtype_name(tensor))
+        self.flat = host_staging
 
-        def finish() -> None:
+        def copy_to_device() -> None:
             import torch  # noqa: PLC0415
 
-            tensor.copy_(torch.from_numpy(staging).view(tensor.shape), non_blocking=False)
+            tensor.copy_(torch.from_numpy(host_staging).view(tensor.shape), non_blocking=False)
 
-        self._finish = finish
+        self._finish = copy_to_device
 
     def write(self, start: int, stop: int, data: np.ndarray) -> None:
         """Copy host ``data`` into elements ``[start, stop)``."""
