@@ -34,7 +34,7 @@ def _key_id(key: Any) -> tuple[str, Any]:
 
 
 def codec_state(keys: Iterable[Any], rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The arrays and metadata of worker ``rank``'s part, from its ``_KeyState`` objects: the
+    """The arrays and metadata of worker ``rank``'s part, from its ``KeyState`` objects: the
     chunks of :func:`codec_state_dict`, their arrays stored apart under ``key.chunk.name``."""
     arrays: dict[str, np.ndarray] = {}
     described = []
@@ -127,7 +127,7 @@ STATE_VERSION = 1
 
 
 def codec_state_dict(keys: Iterable[Any], rank: int) -> dict[str, Any]:
-    """Worker ``rank``'s codec state of ``keys`` (``_KeyState`` objects), as plain data::
+    """Worker ``rank``'s codec state of ``keys`` (``KeyState`` objects), as plain data::
 
         {"format": "pskv-codec-state", "version": 1, "rank": R,
          "keys": [{"key": K, "shape": [...], "dtype": "float32", "codec": {spec},
@@ -168,7 +168,7 @@ def codec_state_dict(keys: Iterable[Any], rank: int) -> dict[str, Any]:
 def plan_codec_state(
     keys: Mapping[Any, Any], saved: Any, rank: int
 ) -> dict[Any, list[dict[str, np.ndarray]] | None]:
-    """Check a :func:`codec_state_dict` result against this worker's keys (``_KeyState`` by
+    """Check a :func:`codec_state_dict` result against this worker's keys (``KeyState`` by
     key) and return, per saved key, the per-chunk states to load (copies; None: the key had
     no encoder, so it starts from zero). Changes nothing.
 

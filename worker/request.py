@@ -114,8 +114,7 @@ class Request:
         A request can outlive its reply's use by a whole step (the client keeps each chunk's
         last push until the next one); holding a pushpull's megabytes of ZeroMQ receive buffers
         that long makes the allocator map fresh pages for the next replies instead of reusing
-        these: on loopback a 10M-element ``pushpull`` took 10k page faults and twice the time
-        per step.
+        these, and every page of a large reply then costs a page fault.
         """
         reply = self._reply
         if reply is not None and reply.payloads:  # (never the shared, empty _ACKNOWLEDGED)
