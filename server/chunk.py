@@ -146,7 +146,7 @@ class ChunkState:
             )
         return self._aggregator
 
-    def set_initial_value(self, values: np.ndarray, mode: str) -> None:
+    def set_initial_value(self, values: np.ndarray, mode: str | None) -> None:
         """Store rank 0's init value (copied: the frame's memory belongs to ZeroMQ); with
         compressed pulls in ``dist_sync``, the workers' ``w_pub`` too (``dist_async`` makes one
         per worker at its first pull)."""
@@ -253,22 +253,23 @@ class ChunkState:
         optimizer's update of the current weights by the aggregate.
         """
         assert self.value is not None
-        state = None
-        if optimizer is not None:
-            if self.optimizer_name != optimizer.name or self.optimizer_state is None:
-                weights_dtype = accumulator_dtype(self.spec.dtype)
-                self.optimizer_state = optimizer.new_state(self.spec.numel, weights_dtype)
-                self.optimizer_name = optimizer.name
-            state = self.optimizer_state
         if self.master is None:
             if optimizer is None:
                 np.copyto(out, grad)
             else:
-                optimizer.step(self.value.current, out, grad, state)
+                optimizer.step(self.value.current, out, grad, self._optimizer_state(optimizer))
         else:
             if optimizer is None:
                 np.copyto(self.master, grad)
             else:
-                optimizer.step(self.master, self.master, grad, state)
+                optimizer.step(self.master, self.master, grad, self._optimizer_state(optimizer))
             np.copyto(out, self.master, casting="unsafe")
         self.updates += 1
+
+    def _optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The chunk's state of ``optimizer``, made at its first update by it."""
+        if self.optimizer_name != optimizer.name or self.optimizer_state is None:
+            weights_dtype = accumulator_dtype(self.spec.dtype)
+            self.optimizer_state = optimizer.new_state(self.spec.numel, weights_dtype)
+            self.optimizer_name = optimizer.name
+        return self.optimizer_state

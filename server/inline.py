@@ -23,6 +23,7 @@ difference.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import types
 from collections import deque
@@ -54,6 +55,11 @@ def _continue(coro: Coroutine[Any, Any, Any], awaiting: Any) -> Generator[Any, A
                 awaiting = coro.send(sent)
             except StopIteration as stop:
                 return stop.value
+
+
+def _close(coro: Coroutine[Any, Any, Any], _task: asyncio.Task[Any]) -> None:
+    """Close ``coro`` once the Task that was to finish it is done (a no-op if it finished)."""
+    coro.close()
 
 
 async def _finish(coro: Coroutine[Any, Any, Any], awaiting: Any) -> Any:
@@ -103,7 +109,7 @@ class InlineRunner:
                 # A Task cancelled before its first step never runs `_finish`: close the work
                 # then, so its cleanup (``finally``, ``async with``) runs at once (a no-op once
                 # it finished).
-                task.add_done_callback(lambda _, coro=coro: coro.close())
+                task.add_done_callback(functools.partial(_close, coro))
         finally:
             self._scheduled = False
 

@@ -100,7 +100,7 @@ class Keys:
             if len(msg.payloads) != 1:
                 raise RequestError(ErrorCode.BAD_VALUE, "rank 0's INIT must carry the value")
             expected = spec.numel * np.dtype(spec.dtype).itemsize
-            values = frame_array(msg.payloads[0], spec.dtype)
+            values = frame_array(msg.payloads[0], np.dtype(spec.dtype))
             if values.nbytes != expected:
                 raise RequestError(
                     ErrorCode.BAD_VALUE,

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from kvstore import wire
 from kvstore.errors import ErrorCode
@@ -195,12 +195,12 @@ class Membership:
         self._beat_timer = self._loop.call_later(liveness.period, self._check_workers)
         timeout = self._state.config.heartbeat_timeout
         now = time.monotonic()
-        for rank in liveness.overdue(now):
-            if rank not in liveness.heard:  # (the job was forgotten meanwhile)
+        for peer_rank in liveness.overdue(now):
+            if peer_rank not in liveness.heard:  # (the job was forgotten meanwhile)
                 continue
-            silence = liveness.silence(rank, now)
+            silence = liveness.silence(peer_rank, now)
             self.declare_lost(
-                rank,
+                cast(int, peer_rank),  # (the server's liveness watches worker ranks)
                 f"nothing heard from it for {silence:.1f} s (KVSTORE_HEARTBEAT_TIMEOUT="
                 f"{timeout:g}): it died, stalled or lost its network",
             )

@@ -165,7 +165,7 @@ class ShardServer:
             else:
                 endpoint = f"tcp://{cfg.host}:{cfg.port}" if cfg.port else f"tcp://{cfg.host}:0"
                 sock.bind(endpoint)
-                bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+                bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
                 port = int(bound.rsplit(":", 1)[1])
                 host = cfg.host if cfg.host not in ("0.0.0.0", "*", "") else socket.getfqdn()
                 self.address = f"tcp://{host}:{port}"
@@ -180,8 +180,10 @@ class ShardServer:
             ) from exc
         self._socket = self._replies.socket = sock
         self._loop = asyncio.get_running_loop()
-        self._fd = sock.getsockopt(zmq.FD)
-        self._loop.add_reader(self._fd, self._drain)
+        fd = sock.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        self._fd = fd
+        self._loop.add_reader(fd, self._drain)
         self._schedule_drain()  # messages may have arrived before the reader was added
         self._membership.start(self._loop)
         logger.info(
