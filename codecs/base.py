@@ -50,7 +50,7 @@ Payloads = Sequence[Any]
 
 ParamValue = bool | int | float | str | None
 
-_ACCUMULATOR_DTYPES = {
+_ACCUMULATOR_DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype(np.float32),
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
@@ -94,6 +94,12 @@ class PushQuality(NamedTuple):
     sent_nonzero: int
 
 
+def frame_nbytes(frame: Any) -> int:
+    """The byte length of a payload frame."""
+    buffer: Any = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
+    return memoryview(buffer).nbytes
+
+
 def frame_array(frame: Any, dtype: np.dtype | type, count: int | None = None) -> np.ndarray:
     """A read-only numpy view of a payload frame, without copying."""
     buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
@@ -113,7 +119,7 @@ class Encoder(ABC):
     """What the encoder's log messages call its key; the client sets it to the key's
     description (``key 'w' (shape (3, 4), float32)``)."""
 
-    state_names: ClassVar[tuple[str, ...]] = ()
+    state_names: tuple[str, ...] = ()
     """The attributes (numpy or CuPy arrays) that hold the encoder's state between pushes:
     everything the next :meth:`encode` depends on besides its input (2-bit: ``residual``).
     :meth:`state` and :meth:`load_state` save and restore them for checkpoints; an encoder
@@ -230,7 +236,7 @@ class KeyEncoder:
     lets the previous push of every chunk be sent before calling it."""
 
     def __init__(self, chunks: Sequence[Encoder]) -> None:
-        self.chunks = list(chunks)
+        self.chunks: Sequence[Encoder] = list(chunks)
 
     def begin(self, values: Any, *, finite: bool = False) -> None:
         """Called once per push with the whole key's flat values (numpy or CuPy), before any
@@ -451,7 +457,7 @@ class Codec(ABC):
         expected = self.payload_nbytes(numel, dtype)
         if expected is None:
             return
-        sizes = tuple(memoryview(getattr(p, "buffer", p)).nbytes for p in payloads)
+        sizes = tuple(frame_nbytes(p) for p in payloads)
         if sizes != expected:
             raise CodecError(
                 f"codec {self.name!r}: a chunk of {numel} {dtype} elements needs payload frames "
@@ -467,7 +473,7 @@ of pushes, as long as the round's bytes are at most half the dense value's."""
 def relay_fits(pushes: Sequence[Payloads], numel: int, dtype: str) -> bool:
     """Whether relaying ``pushes`` (one round's payloads) moves at most half the bytes of the
     dense ``numel``-element value: the server relays a round only then."""
-    nbytes = sum(memoryview(getattr(f, "buffer", f)).nbytes for push in pushes for f in push)
+    nbytes = sum(frame_nbytes(f) for push in pushes for f in push)
     return 2 * nbytes <= numel * np.dtype(dtype).itemsize
 
 

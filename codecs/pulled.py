@@ -136,7 +136,7 @@ class PublishedWeights:
             self.delta = None
             return
         # copies: the encoder reuses its buffers at the next advance
-        self.delta = [bytes(memoryview(np.ascontiguousarray(f)).cast("B")) for f in frames]
+        self.delta = [np.ascontiguousarray(f).tobytes() for f in frames]
         self._decoder.apply(self.w_pub, self.delta)
 
     def reply(self, held: int) -> tuple[int, list[Any]]:

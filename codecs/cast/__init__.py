@@ -227,10 +227,10 @@ class Cast16Encoder(QuantizerEncoder):
             kernel = numba_kernels.encode_bf16 if bf16 else numba_kernels.encode_fp16
             self._check_overflow(int(kernel(values, codes)))
         else:
-            kernel = (
+            feedback_kernel = (
                 numba_kernels.encode_bf16_feedback if bf16 else numba_kernels.encode_fp16_feedback
             )
-            kernel(values, self.residual, codes)
+            feedback_kernel(values, self.residual, codes)
 
     def encode_cuda(self, values: Any, frames: list[Any]) -> None:
         from kvstore.codecs.cast import cuda_kernels  # noqa: PLC0415

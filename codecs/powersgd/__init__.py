@@ -61,6 +61,7 @@ from kvstore.codecs.base import (
     KeyEncoder,
     Payloads,
     frame_array,
+    frame_nbytes,
 )
 from kvstore.codecs.counter_rng import stable_key_hash, stream_key, uniforms_reference
 from kvstore.codecs.finite import count_nonfinite
@@ -551,7 +552,7 @@ class PowerSGDCodec(Codec):
         the exact size)."""
         if len(payloads) != 1:
             raise CodecError(f"codec 'powersgd': a push is one frame, got {len(payloads)}")
-        nbytes = memoryview(getattr(payloads[0], "buffer", payloads[0])).nbytes
+        nbytes = frame_nbytes(payloads[0])
         if nbytes % 4 or nbytes > 4 * numel:
             raise CodecError(
                 f"codec 'powersgd': a push of a {numel}-element chunk is whole float32 of at "

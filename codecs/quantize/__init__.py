@@ -130,8 +130,8 @@ def pack_codes_reference(codes: np.ndarray, width: int) -> np.ndarray:
 def unpack_codes_reference(packed: np.ndarray, width: int, numel: int) -> np.ndarray:
     """The ``numel`` codes of a packed stream (uint8)."""
     bits = np.unpackbits(np.asarray(packed, dtype=np.uint8), bitorder="little")
-    bits = bits[: numel * width].reshape(numel, width)
-    return (bits << np.arange(width, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+    rows = bits[: numel * width].reshape(numel, width)
+    return (rows << np.arange(width, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
 
 
 # codec, encoders, aggregator ---------------------------------------------------------------
@@ -305,6 +305,8 @@ def check_values(codec: str, values: Any, numel: int, on_gpu: bool) -> None:
 
 class QuantizerKeyEncoder(KeyEncoder):
     """The chunks' encoders of one key, and the once-per-push check of the whole value."""
+
+    chunks: Sequence[QuantizerEncoder]
 
     def __init__(self, codec: QuantizerCodec, numel: int, chunks: Sequence[QuantizerEncoder]):
         super().__init__(chunks)

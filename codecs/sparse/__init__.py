@@ -98,7 +98,7 @@ class SamplePlan(NamedTuple):
 
     start: int
     stride: int
-    count: int
+    count: int  # type: ignore[assignment]  # DGC's name for it; shadows tuple.count, unused here
     top: int
 
 
@@ -617,7 +617,7 @@ class _WholeKeyEncoder(Encoder):
         self.key_encoder.begin(values)
         return self._chunk.encode(values)
 
-    def quality(self, values: Any) -> PushQuality:
+    def quality(self, values: Any) -> PushQuality | None:
         return self._chunk.quality(values)
 
     def state(self) -> dict[str, np.ndarray]:

@@ -19,7 +19,7 @@ Imported only for CuPy arrays; importing it needs CuPy.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, SupportsFloat
 
 import cupy
 
@@ -44,7 +44,9 @@ def _aligned(*arrays: Any) -> bool:
     return all(a.data.ptr % 16 == 0 for a in arrays)
 
 
-def encode_clipped(grad: Any, residual: Any, threshold: float, limit: float, out: Any) -> None:
+def encode_clipped(
+    grad: Any, residual: Any, threshold: SupportsFloat, limit: SupportsFloat, out: Any
+) -> None:
     """GPU twin of the CPU ``encode_clipped``: float32 ``grad``/``residual`` [n], uint32 ``out``
     words (``ceil(n/16)``, fully overwritten), float32 ``limit`` >= ``threshold``."""
     n = int(grad.size)
@@ -69,7 +71,7 @@ def encode_clipped(grad: Any, residual: Any, threshold: float, limit: float, out
     )
 
 
-def count_at_least(values: Any, bound: float) -> int:
+def count_at_least(values: Any, bound: SupportsFloat) -> int:
     """How many elements of float32 ``values`` have ``|v| >= bound`` (one scalar back)."""
     n = int(values.size)
     if n == 0:
