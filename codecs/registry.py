@@ -51,8 +51,11 @@ BUILT_IN_CODECS = (
 """The codecs of this package, ``"module:Class"``; adding a codec to the product adds its line."""
 
 _REGISTRY: dict[str, type[Codec]] = {}
-# Entry points are loaded on first use, possibly from several threads of a server at once.
-_LOCK = threading.RLock()
+_REGISTERING = threading.Lock()  # a name's check and set
+# One entry-point load at a time (a server may ask from several threads at once). A separate
+# lock: a module that registers its codec while being imported takes only _REGISTERING, so an
+# import that another thread holds never waits on a load that waits on that import.
+_LOADING = threading.Lock()
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
@@ -60,7 +63,7 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise CodecError(f"{cls.__name__} has no codec name")
-    with _LOCK:
+    with _REGISTERING:
         if name in _REGISTRY:
             raise CodecError(
                 f"codec name {name!r} is already registered by {_REGISTRY[name].__qualname__}"
@@ -162,8 +165,8 @@ def codec_class(name: str) -> type[Codec]:
         raise CodecError(f"expected str for codec `type`, got {type(name).__name__}")
     cls = _REGISTRY.get(name)
     if cls is None:
-        with _LOCK:  # another thread may be loading the same entry point
-            cls = _REGISTRY.get(name) or _load_entry_point(name)
+        with _LOADING:
+            cls = _REGISTRY.get(name) or _load_entry_point(name)  # loaded meanwhile?
     if cls is None:
         raise CodecError(
             f"unknown codec {name!r}; registered codecs: {', '.join(registered_codecs())}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -138,3 +140,15 @@ def test_an_installed_codec_is_in_the_parity_check(site):
     body = _body("Checked", "ep-checked")
     install(site, "ep-checked", "ep_checked", {"ep-checked": "ep_checked:Checked"}, body)
     assert {"type": "ep-checked"} in parity_specs()  # its defaults: it declares no examples
+
+
+def test_threads_that_ask_for_an_installed_codec_at_once_all_get_it(site):
+    install(site, "ep-many", "ep_many", {"ep-many": "ep_many:register"}, _body("Many", "ep-many"))
+    start = threading.Barrier(4)
+
+    def ask(_):
+        start.wait()
+        return type(get_codec("ep-many")).__name__
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(ask, range(4))) == ["Many"] * 4
