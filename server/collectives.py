@@ -29,7 +29,7 @@ from kvstore.server.optimizers import make_optimizer
 from kvstore.server.published import PublishedValue
 from kvstore.server.replies import Replies
 from kvstore.server.work import WorkRunner
-from kvstore.wire import Message, Op
+from kvstore.wire import LoadFields, Message, Op, SaveFields, SetOptimizerFields
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,11 @@ class Collectives:
             for reply in arrived.values():
                 self._replies.ack(reply)
 
-    def on_set_optimizer(self, identity: bytes, rank: int, msg: Message) -> None:
+    def on_set_optimizer(
+        self, identity: bytes, rank: int, msg: Message[SetOptimizerFields]
+    ) -> None:
         """Gather the workers' optimizer proposals; set it once all N asked for the same."""
-        spec = make_optimizer_spec(msg["opt"], msg["hp"])
+        spec = make_optimizer_spec(msg.body.name, msg.body.hyperparameters)
         job = self._state.job
         for codec in {chunk.codec for chunk in job.chunks.values()}:
             try:  # e.g. momentum on the servers for DGC, which applies it on the workers
@@ -119,7 +121,9 @@ class Collectives:
 
     # checkpoints -------------------------------------------------------------------------------
 
-    def on_checkpoint(self, identity: bytes, rank: int, msg: Message) -> None:
+    def on_checkpoint(
+        self, identity: bytes, rank: int, msg: Message[SaveFields | LoadFields]
+    ) -> None:
         """SAVE and LOAD: collective; acted on once all N workers made the same call.
 
         SAVE writes this server's shard into the staging directory ``p`` (rank 0 then writes
@@ -130,7 +134,8 @@ class Collectives:
         steps), else every worker gets a ``checkpoint`` error saying what was in flight.
         """
         job = self._state.job
-        phase = msg["ph"] if msg.op is Op.LOAD else 0
+        body = msg.body
+        phase = body.phase if isinstance(body, LoadFields) else 0
         if phase > 2:
             raise RequestError(ErrorCode.BAD_MESSAGE, f"LOAD phase {phase} is not 0, 1 or 2")
         job.require_all_ranks("a checkpoint")  # (a collective: it would wait for them)
@@ -138,10 +143,10 @@ class Collectives:
             raise RequestError(
                 ErrorCode.CHECKPOINT, f"rank {rank}: a checkpoint is being written or read"
             )
-        call = job.checkpoint or CheckpointCall(msg.op, phase, msg["p"])
+        call = job.checkpoint or CheckpointCall(msg.op, phase, body.path)
         job.require_all_ranks(call.describe())
-        if (call.op, call.phase, call.path) != (msg.op, phase, msg["p"]):
-            other = CheckpointCall(msg.op, phase, msg["p"])
+        if (call.op, call.phase, call.path) != (msg.op, phase, body.path):
+            other = CheckpointCall(msg.op, phase, body.path)
             raise RequestError(
                 ErrorCode.CHECKPOINT,
                 f"rank {rank} called {other.describe()} but rank(s) {sorted(call.replies)} "
@@ -151,8 +156,8 @@ class Collectives:
             raise RequestError(ErrorCode.CHECKPOINT, f"rank {rank} is already in this call")
         job.checkpoint = call
         call.replies[rank] = PendingReply(identity, msg.rid, rank, False, msg.op)
-        if "er" in msg.fields:
-            call.errors[rank] = msg["er"]
+        if body.failure is not None:
+            call.errors[rank] = body.failure
         if len(call.replies) == self._state.config.num_workers:
             job.checkpoint = None
             job.checkpoint_busy = True

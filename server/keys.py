@@ -21,7 +21,7 @@ from kvstore.server.errors import RequestError
 from kvstore.server.job import ServerState
 from kvstore.server.replies import Replies
 from kvstore.topology import Key
-from kvstore.wire import Message, Op
+from kvstore.wire import InitFields, Message, Op
 
 
 class Keys:
@@ -36,55 +36,55 @@ class Keys:
         self._state = state
         self._replies = replies
 
-    def _chunk_spec(self, msg: Message) -> tuple[ChunkSpec, Codec]:
+    def _chunk_spec(self, init: InitFields) -> tuple[ChunkSpec, Codec]:
         """The chunk an INIT declares, and its push codec; refuses what cannot work."""
-        shape = tuple(msg["sh"])
+        shape = tuple(init.shape)
         numel = math.prod(shape)
-        start, count = msg["o"], msg["n"]
+        start, count = init.offset, init.numel
         if start + count > numel or (count == 0 and numel > 0):
             raise RequestError(
                 ErrorCode.BAD_VALUE,
-                f"key {msg['k']!r} chunk {msg['c']}: elements [{start}, {start + count}) do not "
+                f"key {init.key!r} chunk {init.chunk}: elements [{start}, {start + count}) do not "
                 f"fit a value of shape {shape}",
             )
-        codec = codec_from_spec({"type": msg["cd"], **msg["cp"]})
-        codec.check_dtype(msg["dt"], f"key {msg['k']!r}")
+        codec = codec_from_spec({"type": init.codec, **init.codec_params})
+        codec.check_dtype(init.dtype, f"key {init.key!r}")
         optimizer = self._state.job.optimizer
         if optimizer is not None:  # e.g. DGC under an optimizer with momentum
             codec.check_optimizer(optimizer.spec.name, optimizer.spec.params)
-        nbytes = count * np.dtype(msg["dt"]).itemsize
+        nbytes = count * np.dtype(init.dtype).itemsize
         limit = self._state.max_message
         if limit is not None and nbytes > limit:
             # Its value could never arrive: refused before any state is allocated for it.
             raise RequestError(
                 ErrorCode.MESSAGE_LIMIT,
-                f"key {msg['k']!r} chunk {msg['c']} holds {nbytes} bytes, more than the "
+                f"key {init.key!r} chunk {init.chunk} holds {nbytes} bytes, more than the "
                 f"{limit} bytes server {self._state.config.server_rank} accepts in a "
                 f"message (KVSTORE_MAX_MESSAGE_BYTES)",
             )
         pull_codec = None
-        if msg.get("pd") is not None:
-            pull_codec = pull_codec_from_spec({"type": msg["pd"], **msg.get("pp", {})})
-            if not pull_applies(pull_codec, msg["dt"]):
+        if init.pull_codec is not None:
+            pull_codec = pull_codec_from_spec({"type": init.pull_codec, **(init.pull_params or {})})
+            if not pull_applies(pull_codec, init.dtype):
                 raise RequestError(
                     ErrorCode.BAD_VALUE,
-                    f"key {msg['k']!r} is {msg['dt']}: pulls are compressed for float32 keys only",
+                    f"key {init.key!r} is {init.dtype}: pulls are compressed for float32 keys only",
                 )
         spec = ChunkSpec(
-            key=msg["k"],
-            index=msg["c"],
+            key=init.key,
+            index=init.chunk,
             start=start,
             numel=count,
-            dtype=msg["dt"],
+            dtype=init.dtype,
             shape=shape,
             codec=tuple(sorted(codec.spec().items())),
             pull=tuple(sorted(pull_codec.spec().items())) if pull_codec is not None else (),
         )
         return spec, codec
 
-    def on_init(self, identity: bytes, rank: int, msg: Message) -> None:
+    def on_init(self, identity: bytes, rank: int, msg: Message[InitFields]) -> None:
         """Declare a chunk (rank 0 also stores its value); answered once the value is in."""
-        spec, codec = self._chunk_spec(msg)
+        spec, codec = self._chunk_spec(msg.body)
         chunks = self._state.job.chunks
         chunk = chunks.get((spec.key, spec.index))
         if chunk is None:

@@ -37,7 +37,7 @@ from kvstore.server.errors import RequestError
 from kvstore.server.job import LANES, ServerState
 from kvstore.server.replies import Replies, peer
 from kvstore.topology import max_payload_bytes
-from kvstore.wire import Message, Op
+from kvstore.wire import HelloFields, Message, Op, ReplyFields
 
 logger = logging.getLogger(__name__)
 
@@ -81,30 +81,31 @@ class Membership:
 
     # sessions ---------------------------------------------------------------------------------
 
-    def on_hello(self, identity: bytes, msg: Message) -> None:
+    def on_hello(self, identity: bytes, msg: Message[HelloFields]) -> None:
         """Open a session for the connection, if the worker fits the cluster and the job."""
         cfg, job = self._state.config, self._state.job
-        rank, mode = msg["r"], msg["m"]
-        if msg["nw"] != cfg.num_workers:
+        hello = msg.body
+        rank, mode = hello.rank, hello.mode
+        if hello.num_workers != cfg.num_workers:
             raise RequestError(
                 ErrorCode.CLUSTER_MISMATCH,
                 f"server {cfg.server_rank} serves {cfg.num_workers} worker(s) "
-                f"(--num-workers {cfg.num_workers}) but this worker says there are {msg['nw']} "
-                f"(KVSTORE_NUM_WORKERS)",
+                f"(--num-workers {cfg.num_workers}) but this worker says there are "
+                f"{hello.num_workers} (KVSTORE_NUM_WORKERS)",
             )
-        if msg["ns"] != cfg.num_servers:
+        if hello.num_servers != cfg.num_servers:
             raise RequestError(
                 ErrorCode.CLUSTER_MISMATCH,
-                f"the worker lists {msg['ns']} server(s) (KVSTORE_SERVERS) but server "
+                f"the worker lists {hello.num_servers} server(s) (KVSTORE_SERVERS) but server "
                 f"{cfg.server_rank} was started with --num-servers {cfg.num_servers}",
             )
-        if msg["si"] != cfg.server_rank:
+        if hello.server_rank != cfg.server_rank:
             raise RequestError(
                 ErrorCode.WRONG_SERVER,
-                f"the worker lists this address as server {msg['si']} but it is server "
+                f"the worker lists this address as server {hello.server_rank} but it is server "
                 f"{cfg.server_rank}: KVSTORE_SERVERS must list the servers in rank order",
             )
-        self._check_partition(msg.get("pb"))
+        self._check_partition(hello.partition_bytes)
         if rank >= cfg.num_workers:
             raise RequestError(
                 ErrorCode.CLUSTER_MISMATCH, f"rank {rank} is out of range 0..{cfg.num_workers - 1}"
@@ -120,7 +121,7 @@ class Membership:
                 f"worker rank {rank} created a {mode!r} store but rank(s) {ranks} created "
                 f"{job.mode!r}: every worker of a job must use the same mode",
             )
-        lane = msg["ln"]
+        lane = hello.lane
         holder = job.ranks.get((rank, lane))
         if holder is not None and holder != identity:
             released = (
@@ -144,10 +145,10 @@ class Membership:
             job.rejoined.add(rank)
             logger.warning("worker rank %d rejoined the job (%s)", rank, peer(identity))
         logger.debug("worker rank %d connected (%s, %s)", rank, peer(identity), mode)
-        fields = {"sr": cfg.server_rank}
+        answer = ReplyFields(server_rank=cfg.server_rank)
         if self._state.liveness is not None:  # (the worker pings often enough for it)
-            fields["hb"] = round(cfg.heartbeat_timeout * 1000)
-        self._replies.send(identity, wire.reply(msg.rid, fields), Op.HELLO)
+            answer.heartbeat_ms = round(cfg.heartbeat_timeout * 1000)
+        self._replies.send(identity, wire.reply(msg.rid, answer), Op.HELLO)
 
     def _check_partition(self, partition_bytes: int | None) -> None:
         """Refuse a worker whose largest message could exceed this server's limit (ZeroMQ

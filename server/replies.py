@@ -34,7 +34,7 @@ from kvstore.errors import ErrorCode
 from kvstore.metrics import frames_nbytes
 from kvstore.server.chunk import ChunkState, PendingReply
 from kvstore.server.job import ServerState
-from kvstore.wire import Op
+from kvstore.wire import Op, ReplyFields
 from kvstore.zerocopy import ZeroCopySender
 
 logger = logging.getLogger(__name__)
@@ -89,9 +89,9 @@ class Replies:
         self._after_send()
         return ticket
 
-    def ack(self, reply: PendingReply, fields: dict[str, Any] | None = None) -> None:
-        """Answer ``reply`` with an empty reply (plus ``fields``)."""
-        self.send(reply.identity, wire.reply(reply.rid, fields), reply.op)
+    def ack(self, reply: PendingReply) -> None:
+        """Answer ``reply`` with an empty reply."""
+        self.send(reply.identity, wire.reply(reply.rid), reply.op)
 
     def answer(self, reply: PendingReply, chunk: ChunkState) -> None:
         """Answer a finished request on ``chunk``: with its value if it asked for it, else an
@@ -132,31 +132,29 @@ class Replies:
         """Answer ``reply`` with ``chunk``'s published value, acknowledging the pushes
         ``acks`` of the same worker."""
         assert chunk.value is not None
-        fields: dict[str, Any] = {"ak": list(acks)} if acks else {}
+        answer = ReplyFields(acks=list(acks) if acks else None)
         if chunk.pull_codec is not None and reply.pull_version is not None:
-            self._send_compressed(reply, chunk, fields)
+            self._send_compressed(reply, chunk, answer)
             return
         relay = chunk.relay
         if relay is not None and 0 < len(relay) <= reply.relay_max:
-            self._send_relayed(reply, relay, fields)
+            self._send_relayed(reply, relay, answer)
             return
         current = chunk.value.current
         send = self.send(
-            reply.identity, wire.reply(reply.rid, fields, [current]), reply.op, track=True
+            reply.identity, wire.reply(reply.rid, answer, [current]), reply.op, track=True
         )
         if send is not None:
             chunk.value.track(send)
 
-    def _send_relayed(self, reply: PendingReply, relay: list[Any], fields: dict[str, Any]) -> None:
+    def _send_relayed(self, reply: PendingReply, relay: list[Any], answer: ReplyFields) -> None:
         """Answer a relayed pull: the round's pushes instead of their sum. The frames are
         immutable ZeroMQ messages, so nothing needs tracking."""
-        fields["rl"] = len(relay)
+        answer.relayed = len(relay)
         frames = [frame for payloads in relay for frame in payloads]
-        self.send(reply.identity, wire.reply(reply.rid, fields, frames), reply.op)
+        self.send(reply.identity, wire.reply(reply.rid, answer, frames), reply.op)
 
-    def _send_compressed(
-        self, reply: PendingReply, chunk: ChunkState, fields: dict[str, Any]
-    ) -> None:
+    def _send_compressed(self, reply: PendingReply, chunk: ChunkState, answer: ReplyFields) -> None:
         """Answer a compressed pull (see :mod:`kvstore.codecs.pulled`): nothing, the delta to
         the current ``w_pub`` or ``w_pub`` whole, by the version the worker holds."""
         assert chunk.value is not None and reply.pull_version is not None
@@ -165,8 +163,10 @@ class Replies:
         if self._state.job.mode == "dist_async" and held == weights.version:
             weights.advance(chunk.value.current)  # this worker's own w_pub moves on now
         kind, frames = weights.reply(held)
-        fields.update(pc=kind, pv=weights.version, pb=weights.version - 1)
-        self.send(reply.identity, wire.reply(reply.rid, fields, frames), reply.op)
+        answer.pull_kind = kind
+        answer.version = weights.version
+        answer.base_version = weights.version - 1
+        self.send(reply.identity, wire.reply(reply.rid, answer, frames), reply.op)
 
 
 __all__ = ["Replies", "peer"]

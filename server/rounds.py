@@ -42,7 +42,7 @@ from kvstore.server.job import ServerState
 from kvstore.server.keys import Keys
 from kvstore.server.replies import Replies
 from kvstore.server.work import WorkRunner
-from kvstore.wire import Message, Op
+from kvstore.wire import Message, Op, PullFields, PushFields, PushPullFields
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +65,16 @@ class Rounds:
 
     # push --------------------------------------------------------------------------------------
 
-    def on_push(self, identity: bytes, rank: int, msg: Message) -> None:
-        chunk = self._keys.ready_chunk(rank, msg["k"], msg["c"])
+    def on_push(
+        self, identity: bytes, rank: int, msg: Message[PushFields | PushPullFields]
+    ) -> None:
+        push = msg.body
+        chunk = self._keys.ready_chunk(rank, push.key, push.chunk)
         spec = chunk.spec
-        if msg["n"] != spec.numel:
+        if push.numel != spec.numel:
             raise RequestError(
                 ErrorCode.BAD_VALUE,
-                f"{spec.name}: push of {msg['n']} elements, the chunk has {spec.numel}",
+                f"{spec.name}: push of {push.numel} elements, the chunk has {spec.numel}",
             )
         chunk.codec.validate_payloads(msg.payloads, spec.numel, spec.dtype)
         job = self._state.job
@@ -81,10 +84,12 @@ class Rounds:
                 "dist_async applies every push on arrival and needs an optimizer: "
                 "call kv.set_optimizer(...) on every worker before pushing",
             )
-        want_value = msg.op is Op.PUSHPULL
-        reply = PendingReply(
-            identity, msg.rid, rank, want_value, msg.op, msg.get("rx", 0), msg.get("pv")
-        )
+        if isinstance(push, PushPullFields):
+            reply = PendingReply(
+                identity, msg.rid, rank, True, msg.op, push.relay_limit or 0, push.held_version
+            )
+        else:
+            reply = PendingReply(identity, msg.rid, rank, False, msg.op, 0, None)
         if job.mode == "dist_async":
             self._work.submit(self._push_async(chunk, reply, msg.payloads))
         else:
@@ -256,15 +261,16 @@ class Rounds:
 
     # pull --------------------------------------------------------------------------------------
 
-    def on_pull(self, identity: bytes, rank: int, msg: Message) -> None:
-        chunk = self._keys.ready_chunk(rank, msg["k"], msg["c"])
+    def on_pull(self, identity: bytes, rank: int, msg: Message[PullFields]) -> None:
+        pull = msg.body
+        chunk = self._keys.ready_chunk(rank, pull.key, pull.chunk)
         reply = PendingReply(
-            identity, msg.rid, rank, True, Op.PULL, msg.get("rx", 0), msg.get("pv")
+            identity, msg.rid, rank, True, Op.PULL, pull.relay_limit or 0, pull.held_version
         )
-        if chunk.applied[rank] >= msg["af"]:
+        if chunk.applied[rank] >= pull.after_pushes:
             self._replies.value(reply, chunk)
         else:
-            chunk.pull_waiters.append(PullWaiter(reply, msg["af"]))
+            chunk.pull_waiters.append(PullWaiter(reply, pull.after_pushes))
             if self._state.job.lost:
                 self._fail_blocked(chunk)
 
