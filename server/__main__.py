@@ -23,15 +23,7 @@ from collections.abc import Sequence
 
 from kvstore import _logging
 from kvstore._malloc import tune_malloc
-from kvstore.config import (
-    ServerConfig,
-    curve_keys_from_env,
-    heartbeat_timeout_from_env,
-    max_message_bytes_from_env,
-    metrics_config_from_env,
-    partition_bytes_from_env,
-    server_threads_from_env,
-)
+from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.server.server import ShardServer
 
@@ -73,23 +65,14 @@ def parse_command_line(argv: Sequence[str] | None = None) -> tuple[ServerConfig,
     )
     args = parser.parse_args(argv)
     try:
-        threads = args.threads if args.threads is not None else server_threads_from_env()
-        return ServerConfig(
+        return ServerConfig.from_env(
             host=args.host,
             port=args.port,
             server_rank=args.server_rank,
             num_servers=args.num_servers,
             num_workers=args.num_workers,
-            threads=threads,
-            metrics=metrics_config_from_env(),
-            partition_bytes=partition_bytes_from_env(),
-            max_message_bytes=(
-                args.max_message_bytes
-                if args.max_message_bytes is not None
-                else max_message_bytes_from_env()
-            ),
-            heartbeat_timeout=heartbeat_timeout_from_env(),
-            curve=curve_keys_from_env("server"),
+            threads=args.threads,
+            max_message_bytes=args.max_message_bytes,
         ), args.stop_on_stdin_eof
     except ConfigError as exc:
         parser.error(str(exc))
