@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -25,13 +25,11 @@ from kvstore.errors import KVStoreError, NonFiniteError
 from kvstore.wire import Op
 from kvstore.worker import values as vals
 from kvstore.worker.keys import KeyState
+from kvstore.worker.landing import Landing
 from kvstore.worker.request import Deadline, Request
 from kvstore.worker.round_trips import RoundTrips
 from kvstore.worker.stats import EncodeClock
 from kvstore.worker.store_state import StoreState
-
-if TYPE_CHECKING:
-    from kvstore.worker.landing import Landing
 
 logger = logging.getLogger(__name__)
 

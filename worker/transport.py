@@ -446,14 +446,9 @@ class Transport:
             if request is not None:
                 request._complete(None, exc)
             return
-        acknowledged: list[Request] = []
         with self._lock:
             request = self._pending.pop(msg.rid, None)
-            if msg.op is Op.REPLY:
-                for rid in msg.get("ak", ()):
-                    push = self._pending.pop(rid, None)
-                    if push is not None:
-                        acknowledged.append(push)
+            acknowledged = self._take_acknowledged(msg) if msg.op is Op.REPLY else []
         for push in acknowledged:
             push._complete(_ACKNOWLEDGED, None)
         if metrics is not None:
@@ -475,6 +470,18 @@ class Transport:
             request._complete(msg, None)
         else:
             request._complete(None, ProtocolError(f"unexpected {msg.op.name} as a reply"))
+
+    def _take_acknowledged(self, msg: Message) -> list[Request]:
+        """The pending push requests that the value reply ``msg`` also acknowledges (``ak``),
+        taken out of the pending ones (the caller holds the lock and completes them): a pull's
+        reply says which of this worker's pushes its value includes, so they need no reply of
+        their own."""
+        acknowledged: list[Request] = []
+        for rid in msg.get("ak", ()):
+            push = self._pending.pop(rid, None)
+            if push is not None:
+                acknowledged.append(push)
+        return acknowledged
 
     def _lost_error(self, server: int, what: str, reason: str) -> KVStoreError:
         """The error of a request ``what`` to a lost server (``reason``: why it is lost)."""
