@@ -269,6 +269,10 @@ class WorkerOptions:
         metrics: the Prometheus endpoint's settings; None: no endpoint.
         curve: the worker's CURVE credentials (``KVSTORE_AUTH_*``); None: it connects without
             authentication or encryption.
+        native_sends: send large buffers through the compiled free function
+            (:mod:`kvstore.zerocopy`); False: pyzmq's zero-copy sends.
+        value_prefetch: in dist_sync, pushes followed by pulls ask for the round's value
+            (:mod:`kvstore.worker.prefetch`); False: pushes and pulls are separate requests.
     """
 
     bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
@@ -283,6 +287,8 @@ class WorkerOptions:
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     metrics: MetricsConfig | None = None
     curve: CurveKeys | None = None
+    native_sends: bool = True
+    value_prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.bigarray_bound < 1:
@@ -370,6 +376,13 @@ class ServerConfig:
         metrics: the Prometheus endpoint's settings; None: no endpoint.
         curve: the server's CURVE credentials (``KVSTORE_AUTH_*``): it then admits only
             workers holding the job's client key; None: it accepts any worker.
+        native_sends: send large values through the compiled free function
+            (:mod:`kvstore.zerocopy`); False: pyzmq's zero-copy sends.
+        inline_work: run pushes' work on the event loop until it waits and small chunks'
+            work there (:mod:`kvstore.server.work`); False: a task per push, the thread pool
+            for every chunk.
+        acks_on_pulls: acknowledge a push in the value reply of the worker's waiting pull
+            (:meth:`kvstore.server.rounds.Rounds._ack_with_pull`); False: an ack per push.
     """
 
     host: str = "127.0.0.1"
@@ -384,6 +397,9 @@ class ServerConfig:
     heartbeat_timeout: float = 0.0
     metrics: MetricsConfig | None = None
     curve: CurveKeys | None = None
+    native_sends: bool = True
+    inline_work: bool = True
+    acks_on_pulls: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

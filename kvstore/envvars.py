@@ -380,6 +380,53 @@ ENV_VARS: tuple[EnvVar, ...] = (
         parse=parse_switch,
     ),
     EnvVar(
+        "KVSTORE_NATIVE_SENDS",
+        "0 or 1",
+        "1",
+        "worker, server",
+        "Send large buffers without copies through libzmq with a compiled free function, which "
+        "costs no Python work when a send completes; 0 uses pyzmq's zero-copy sends, whose "
+        "completions go through its garbage-collector thread.",
+        parse=parse_switch,
+        field="native_sends",
+        read_by=(WORKER_OPTIONS, SERVER_CONFIG),
+    ),
+    EnvVar(
+        "KVSTORE_VALUE_PREFETCH",
+        "0 or 1",
+        "1",
+        "worker",
+        "In dist_sync, once a key's push was followed by a pull, send its later pushes as "
+        "PUSHPULLs whose values the next pull takes (one request per chunk instead of two, "
+        "values back as each round completes); 0 sends pushes and pulls apart.",
+        parse=parse_switch,
+        field="value_prefetch",
+        read_by=(WORKER_OPTIONS,),
+    ),
+    EnvVar(
+        "KVSTORE_INLINE_WORK",
+        "0 or 1",
+        "1",
+        "server",
+        "Run a push's work on the server's event loop until it must wait, and decode and sum "
+        "chunks of up to 2^20 elements there, instead of a task per push and a thread hand-off "
+        "per chunk; 0 gives every push a task and every chunk to the thread pool.",
+        parse=parse_switch,
+        field="inline_work",
+        read_by=(SERVER_CONFIG,),
+    ),
+    EnvVar(
+        "KVSTORE_ACKS_ON_PULLS",
+        "0 or 1",
+        "1",
+        "server",
+        "Acknowledge a push in the value reply of the same worker's pull that waited for it, "
+        "instead of in a reply of its own; 0 acknowledges every push on its own.",
+        parse=parse_switch,
+        field="acks_on_pulls",
+        read_by=(SERVER_CONFIG,),
+    ),
+    EnvVar(
         "KVSTORE_PUSH_LEAD",
         "int >= 0",
         "3 with 3+ workers, else 0",

@@ -62,7 +62,8 @@ class Replies:
     def __init__(self, state: ServerState, after_send: Callable[[], None]) -> None:
         self._state = state
         self._after_send = after_send
-        self._sender = ZeroCopySender()  # used on the loop thread only
+        self._sender = ZeroCopySender(native=None if state.config.native_sends else False)
+        # (used on the loop thread only)
         self.socket: zmq.Socket | None = None
 
     def close(self) -> None:

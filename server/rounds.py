@@ -312,6 +312,7 @@ class Rounds:
                 and acknowledgement is None
                 and not reply.want_value
                 and reply.identity in sessions
+                and self._state.config.acks_on_pulls
                 and self._ack_with_pull(chunk, reply)
             ):
                 continue

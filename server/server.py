@@ -112,7 +112,9 @@ class ShardServer:
         self.address: str | None = None
         self._state = ServerState(config)
         self._replies = Replies(self._state, after_send=self._schedule_drain)
-        self._work = WorkRunner(config.threads, f"kvstore-server{config.server_rank}")
+        self._work = WorkRunner(
+            config.threads, f"kvstore-server{config.server_rank}", inline=config.inline_work
+        )
         self._heard = self._state.heard  # (on the hot path: one dict store per request)
         self._keys = Keys(self._state, self._replies)
         self._rounds = Rounds(self._state, self._replies, self._work, self._keys)

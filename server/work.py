@@ -40,12 +40,16 @@ class WorkRunner:
     Args:
         threads: the thread pool's size.
         name: the pool threads' name prefix.
+        inline: run work on the loop thread where it costs less than a hand-off (a push's
+            coroutine until it suspends, chunks up to :data:`INLINE_ELEMS`); False
+            (``KVSTORE_INLINE_WORK=0``): a Task per push and the pool for every chunk.
     """
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, *, inline: bool = True) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._inline = InlineRunner(self.spawn)
+        self._inline = InlineRunner(self.spawn) if inline else None
+        self._inline_elems = INLINE_ELEMS if inline else -1
 
     @property
     def tasks(self) -> int:
@@ -54,7 +58,10 @@ class WorkRunner:
 
     def submit(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a chunk's work soon: after the current callback, inline until it suspends."""
-        self._inline.submit(coro)
+        if self._inline is None:
+            self.spawn(coro)
+        else:
+            self._inline.submit(coro)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[Any]:
         """Run ``coro`` in a Task that :meth:`cancel` cancels; a failure is logged."""
@@ -70,7 +77,7 @@ class WorkRunner:
 
     async def run(self, chunk: ChunkState, fn: Callable[..., Any], *args: Any) -> Any:
         """Run chunk work: inline for small chunks, on the thread pool for big ones."""
-        if chunk.spec.numel <= INLINE_ELEMS:
+        if chunk.spec.numel <= self._inline_elems:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -80,7 +87,8 @@ class WorkRunner:
 
     async def cancel(self) -> None:
         """Drop work not started and cancel the Tasks; returns once they ended."""
-        self._inline.close()
+        if self._inline is not None:
+            self._inline.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
