@@ -29,8 +29,13 @@ over bare pyzmq, each 2-bit configuration over dense, pushpull and borrowed push
 pull, each CURVE configuration over the same one without keys. One JSON line per configuration,
 then a summary line.
 
+``--speedups`` measures the optional speed-ups of this path instead: "kvstore none" and
+"kvstore 2bit" with each one turned off by its variable (:data:`SPEEDUP_SWITCHES`), in
+alternation with both configurations as they are; the summary gives each off/on ratio.
+
     python -m benchmarks.bench_pushpull --preset smoke
     python -m benchmarks.bench_pushpull --preset full
+    python -m benchmarks.bench_pushpull --preset full --speedups
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ class KvConfig(NamedTuple):
     pushpull: bool = False  # kv.pushpull instead of push + pull
     borrow: bool = False  # push(..., borrow=True)
     curve: bool = False  # with the job's CURVE keys (authenticated, encrypted)
+    env: tuple[tuple[str, str], ...] = ()  # variables of the server and the workers
 
 
 KV_CONFIGS = {
@@ -142,6 +148,23 @@ KV_CONFIGS = {
     "kvstore 2bit curve": KvConfig("2bit", curve=True),
 }
 """Configuration name -> how its workers run."""
+
+SPEEDUP_SWITCHES = {
+    "inline work": "KVSTORE_INLINE_WORK",
+    "acks on pulls": "KVSTORE_ACKS_ON_PULLS",
+    "native sends": "KVSTORE_NATIVE_SENDS",
+    "value prefetch": "KVSTORE_VALUE_PREFETCH",
+    "malloc tuning": "KVSTORE_MALLOC_TUNING",
+}
+"""``--speedups``: each speed-up of the loopback path, by the variable that turns it off
+(docs/internals.md). Relayed pulls are "kvstore 2bit dense pull" above; the push lead and
+TOS marking act on shaped links with more workers (bench_cluster)."""
+
+SPEEDUP_CONFIGS = {
+    f"kvstore {codec} without {name}": KvConfig(codec, env=((variable, "0"),))
+    for name, variable in SPEEDUP_SWITCHES.items()
+    for codec in ("none", "2bit")
+}
 
 
 def kv_worker(
@@ -189,10 +212,12 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
     """Start a server and the workers of one configuration; return all workers' step times."""
     py = sys.executable
     bare = name.startswith("bare")
-    keys = JobKeys.generate() if not bare and KV_CONFIGS[name].curve else None
+    config = None if bare else {**KV_CONFIGS, **SPEEDUP_CONFIGS}[name]
+    keys = JobKeys.generate() if config is not None and config.curve else None
+    switches = dict(config.env) if config is not None else {}
     # (every credential variable set or blanked: none is inherited from this shell)
-    server_env = {**os.environ, **role_env("server", keys)}
-    worker_env = {**os.environ, **role_env("worker", keys)}
+    server_env = {**os.environ, **role_env("server", keys), **switches}
+    worker_env = {**os.environ, **role_env("worker", keys), **switches}
     if bare:
         server_cmd = module_command("bench_pushpull", "--role", "bare-server")
         server_cmd += ["--workers", str(workers)]
@@ -211,7 +236,7 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
                 command += ["--role", "bare-worker"]
                 command += ["--pipelined"] if name.endswith("pipelined") else []
             else:
-                config = KV_CONFIGS[name]
+                assert config is not None
                 command += ["--role", "kv-worker", "--codec", config.codec]
                 command += [] if config.relay else ["--no-relay"]
                 command += ["--pushpull"] if config.pushpull else []
@@ -235,6 +260,32 @@ def run_config(name: str, workers: int, elements: int, steps: int) -> list[float
         server.wait(30)
 
 
+def report_speedups(
+    medians: dict[str, float], samples: dict[str, list[float]], workers: int, elements: int
+) -> None:
+    """One line per configuration, then the seconds per step of each codec with each speed-up
+    off over the same codec with all on (above 1: the speed-up saves that much)."""
+    for config, median in medians.items():
+        emit(
+            {
+                "bench": "pushpull",
+                "config": config,
+                "workers": workers,
+                "elements": elements,
+                "seconds_per_step": round(median, 5),
+                "steps_measured": len(samples[config]),
+            }
+        )
+    ratios = {
+        f"{codec} without {name}": round(
+            medians[f"kvstore {codec} without {name}"] / medians[f"kvstore {codec}"], 3
+        )
+        for name in SPEEDUP_SWITCHES
+        for codec in ("none", "2bit")
+    }
+    emit({"bench": "pushpull", "summary": True, "off_over_on": ratios, "machine": machine()})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
@@ -242,6 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--rounds", type=int)
+    parser.add_argument(
+        "--speedups",
+        action="store_true",
+        help="measure each speed-up instead: dense and 2-bit with it turned off, against both "
+        "with every speed-up on (in alternation, like the default configurations)",
+    )
     parser.add_argument("--role", default="main", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -275,12 +332,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
 
-    configs = ["bare pyzmq", "bare pyzmq pipelined", *KV_CONFIGS]
+    if args.speedups:
+        configs = ["kvstore none", "kvstore 2bit", *SPEEDUP_CONFIGS]
+    else:
+        configs = ["bare pyzmq", "bare pyzmq pipelined", *KV_CONFIGS]
     samples: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(args.rounds or preset["rounds"]):
         for config in configs:
             samples[config] += run_config(config, workers, elements, steps)
     medians = {c: statistics.median(v) for c, v in samples.items()}
+    if args.speedups:
+        report_speedups(medians, samples, workers, elements)
+        return 0
     bare_best = min(medians["bare pyzmq"], medians["bare pyzmq pipelined"])
     nbytes = 4 * elements
     for config in configs:
