@@ -471,12 +471,6 @@ class Message(Generic[F]):
     fields: dict[str, Any]
     payloads: list[Any]
 
-    def __getitem__(self, name: str) -> Any:
-        return self.fields[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.fields.get(name, default)
-
 
 def buffer_nbytes(buffer: Any) -> int:
     """Byte length of a buffer (bytes, numpy array, memoryview or zmq.Frame)."""
@@ -705,8 +699,6 @@ def _decode_header(header: dict[Any, Any], frames: Sequence[Any]) -> Message:
 
 def reply(rid: int, body: ReplyFields | None = None, payloads: Sequence[Any] = ()) -> list:
     """Frames of a REPLY to request ``rid``."""
-    if isinstance(body, dict):  # TEMPORARY-DICT-REPLY until the handlers are converted
-        return encode(Op.REPLY, rid, body, payloads)
     return encode(Op.REPLY, rid, None if body is None else wire_fields(body), payloads)
 
 

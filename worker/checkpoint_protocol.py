@@ -23,7 +23,7 @@ from kvstore._version import __version__
 from kvstore.errors import CheckpointError, KVStoreError
 from kvstore.optimizer_spec import make_optimizer_spec
 from kvstore.topology import Key
-from kvstore.wire import Op
+from kvstore.wire import BarrierFields, LoadFields, SaveFields
 from kvstore.worker import checkpointing as ckpt
 from kvstore.worker import prefetch
 from kvstore.worker.compressed_pulls import forget_held
@@ -64,7 +64,7 @@ class CheckpointProtocol:
         except (OSError, KVStoreError) as exc:
             local_error = exc
         # Even when this worker failed: the servers refuse the call for everyone then.
-        self._call(Op.SAVE, {"p": str(staging)}, local_error, f"save to {target}")
+        self._call(SaveFields(str(staging)), local_error, f"save to {target}")
         finish_error: BaseException | None = None
         if store.rank == 0:  # every part is in: the manifest, then the rename
             try:
@@ -77,7 +77,8 @@ class CheckpointProtocol:
             except (OSError, KVStoreError) as exc:
                 finish_error = exc
         # Nobody returns before rank 0 finished (or failed).
-        store.transport.submit(0, Op.BARRIER, what="checkpoint barrier").wait(store.options.timeout)
+        barrier = store.transport.submit(0, BarrierFields(), what="checkpoint barrier")
+        barrier.wait(store.options.timeout)
         if finish_error is not None:
             raise CheckpointError(
                 f"could not complete the checkpoint {target}: {finish_error}"
@@ -111,16 +112,15 @@ class CheckpointProtocol:
             plan = ckpt.plan_restore(store.keys, arrays, meta, str(target / mine))
         except (OSError, KVStoreError) as exc:
             local_error = exc
-        fields: dict[str, Any] = {"p": str(target)}
         try:
-            self._call(Op.LOAD, {**fields, "ph": 0}, local_error, f"load {target}")
+            self._call(LoadFields(str(target), 0), local_error, f"load {target}")
         except KVStoreError:
             try:  # every server drops what it staged; nothing changed anywhere
-                self._call(Op.LOAD, {**fields, "ph": 2}, None, "abort")
+                self._call(LoadFields(str(target), 2), None, "abort")
             except KVStoreError as exc:
                 logger.debug("aborting the load of %s: %s", target, exc)
             raise
-        self._call(Op.LOAD, {**fields, "ph": 1}, None, f"load {target}")
+        self._call(LoadFields(str(target), 1), None, f"load {target}")
         for key, state in store.keys.items():
             state.key_encoder = None
             state.encoders = [None] * len(state.chunks)
@@ -170,16 +170,16 @@ class CheckpointProtocol:
         }
 
     def _call(
-        self, op: Op, fields: dict[str, Any], local_error: BaseException | None, what: str
+        self, call: SaveFields | LoadFields, local_error: BaseException | None, what: str
     ) -> None:
         """Send a collective SAVE or LOAD to every server and wait for all of them. With
         ``local_error`` (this worker could not do its part) the servers refuse the call for
         every worker, and this worker raises its own error."""
         store = self._store
         if local_error is not None:
-            fields = {**fields, "er": f"{type(local_error).__name__}: {local_error}"[:2000]}
+            call.failure = f"{type(local_error).__name__}: {local_error}"[:2000]
         requests = [
-            store.transport.submit(s, op, fields, what=f"{what} (server {s})")
+            store.transport.submit(s, call, what=f"{what} (server {s})")
             for s in range(store.num_servers)
         ]
         try:

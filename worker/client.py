@@ -58,11 +58,11 @@ from kvstore.errors import (
 from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
 from kvstore.topology import Key
-from kvstore.wire import Op
+from kvstore.wire import BarrierFields, InitFields, Op, SetOptimizerFields
 from kvstore.worker import prefetch
 from kvstore.worker import values as vals
 from kvstore.worker.checkpoint_protocol import CheckpointProtocol
-from kvstore.worker.compressed_pulls import held_weights, init_fields
+from kvstore.worker.compressed_pulls import ask_for_compressed_pulls, held_weights
 from kvstore.worker.keys import (
     KeyArg,
     KeyState,
@@ -136,6 +136,7 @@ class KVStore:
                 metrics=metrics,
                 curve=self._options.curve,
                 heartbeat_timeout=self._options.heartbeat_timeout,
+                native_sends=self._options.native_sends,
             )
         except BaseException:
             if metrics is not None:
@@ -314,8 +315,7 @@ class KVStore:
         requests = [
             self._transport.submit(
                 s,
-                Op.SET_OPTIMIZER,
-                {"opt": spec.name, "hp": spec.params},
+                SetOptimizerFields(spec.name, dict(spec.params)),
                 what=f"set_optimizer({spec!r})",
             )
             for s in range(self.num_servers)
@@ -371,24 +371,23 @@ class KVStore:
             for state, v in states:
                 source = vals.host_copy(vals.flat_source(v)) if self.rank == 0 else None
                 for chunk in state.chunks:
-                    fields = {
-                        "k": state.key,
-                        "c": chunk.index,
-                        "o": chunk.start,
-                        "n": chunk.numel,
-                        "dt": state.dtype,
-                        "sh": list(state.shape),
-                        "cd": state.codec.name,
-                        "cp": state.codec.params(),
-                    }
+                    init = InitFields(
+                        key=state.key,
+                        chunk=chunk.index,
+                        offset=chunk.start,
+                        numel=chunk.numel,
+                        dtype=state.dtype,
+                        shape=list(state.shape),
+                        codec=state.codec.name,
+                        codec_params=state.codec.params(),
+                    )
                     if state.held is not None and pull_codec is not None:
-                        fields.update(init_fields(pull_codec))
+                        ask_for_compressed_pulls(init, pull_codec)
                     payloads = [source[chunk.start : chunk.stop]] if source is not None else []
                     requests.append(
                         self._transport.submit(
                             chunk.server,
-                            Op.INIT,
-                            fields,
+                            init,
                             payloads,
                             what=f"init of key {state.key!r} chunk {chunk.index}",
                         )
@@ -452,7 +451,8 @@ class KVStore:
         self._pushes.refuse_nonfinite([(state, v) for state, v in work])
         deadline = self._deadline()  # (for the chunks' previous pushes, over the whole call)
         for state, v in work:
-            ask = prefetch.asks_for_values(state, self.type)  # (see kvstore.worker.prefetch)
+            # (see kvstore.worker.prefetch; KVSTORE_VALUE_PREFETCH=0 turns it off)
+            ask = prefetch.asks_for_values(state, self.type) and self._options.value_prefetch
             op = Op.PUSHPULL if ask else Op.PUSH
             requests = self._pushes.send(state, v, op, priority, borrow=borrow, deadline=deadline)
             prefetch.pushed(state, requests if ask else None)
@@ -533,7 +533,7 @@ class KVStore:
         self._check_open()
         deadline = self._deadline()
         self._pushes.wait_all(deadline=deadline)
-        request = self._transport.submit(0, Op.BARRIER, what="barrier")
+        request = self._transport.submit(0, BarrierFields(), what="barrier")
         request.wait(deadline)
 
     # checkpoints -------------------------------------------------------------------------------

@@ -4,21 +4,20 @@ With ``kv.set_pull_compression`` the servers answer a pull of a float32 key with
 difference between the current value and ``w_pub``, the weights this worker holds; both sides
 add its decoded form to ``w_pub`` and ``out`` receives ``w_pub`` (the arithmetic and the
 versions are :mod:`kvstore.codecs.pulled`'s). Here: which keys hold weights
-(:func:`held_weights`), what an INIT tells the servers (:func:`init_fields`), a pull's reply
-applied to ``w_pub`` (:func:`land_compressed`), and the restart of the versions after a
+(:func:`held_weights`), what an INIT tells the servers (:func:`ask_for_compressed_pulls`), a
+pull's reply applied to ``w_pub`` (:func:`land_compressed`), and the restart of the versions after a
 checkpoint load (:func:`forget_held`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvstore.codecs import Codec
 from kvstore.codecs.pulled import HeldWeights, pull_applies
 from kvstore.errors import CodecError, ProtocolError
 from kvstore.topology import Chunk
-from kvstore.wire import Message
+from kvstore.wire import InitFields, Message
 from kvstore.worker.keys import KeyState
 from kvstore.worker.values import FlatTarget
 
@@ -33,9 +32,10 @@ def held_weights(
     return [HeldWeights(pull_codec, chunk.numel) for chunk in chunks]
 
 
-def init_fields(pull_codec: Codec) -> dict[str, Any]:
-    """The fields of an INIT that ask the servers to compress the key's pulls."""
-    return {"pd": pull_codec.name, "pp": pull_codec.params()}
+def ask_for_compressed_pulls(init: InitFields, pull_codec: Codec) -> None:
+    """Make ``init`` ask the servers to compress the key's pulls with ``pull_codec``."""
+    init.pull_codec = pull_codec.name
+    init.pull_params = pull_codec.params()
 
 
 def land_compressed(state: KeyState, chunk: Chunk, reply: Message, target: FlatTarget) -> int:
@@ -47,7 +47,9 @@ def land_compressed(state: KeyState, chunk: Chunk, reply: Message, target: FlatT
         )
     held = state.held[chunk.index]
     try:
-        nbytes = held.apply(reply["pc"], reply["pv"], reply.get("pb", -1), reply.payloads)
+        answer = reply.body
+        base = -1 if answer.base_version is None else answer.base_version
+        nbytes = held.apply(answer.pull_kind, answer.version, base, reply.payloads)
     except CodecError as exc:
         raise ProtocolError(
             f"compressed reply for key {state.key!r} chunk {chunk.index}: {exc}"

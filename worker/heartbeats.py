@@ -101,7 +101,7 @@ class Heartbeats:
         """A server took this worker: ping it from now on, often enough for its heartbeat
         timeout (``hb``) as well as ours."""
         self._targets.add(server)
-        server_timeout = msg.get("hb", 0) / 1000
+        server_timeout = (msg.body.heartbeat_ms or 0) / 1000
         if server_timeout > 0:
             every = heartbeat_interval(server_timeout)
             if self.every is None or every < self.every:

@@ -72,13 +72,13 @@ class KeyState:
     # made (None: nothing waits); see kvstore.worker.checkpointing.
     restored: Sequence[Mapping[str, np.ndarray] | None] | None = None
 
-    def pull_fields(self, chunk: Chunk) -> dict[str, int]:
-        """The fields of a request for ``chunk``'s value: the version of ``w_pub`` this worker
-        holds (compressed pulls), or an offer to take a relayed value (none: dense)."""
+    def pull_offer(self, chunk: Chunk) -> tuple[int | None, int | None]:
+        """What a request for ``chunk``'s value offers to take: ``(relay_limit,
+        held_version)``, a relayed value of at most that many pushes, or the delta to the
+        version of ``w_pub`` this worker holds (compressed pulls); (None, None): dense."""
         if self.held is not None:
-            return {"pv": self.held[chunk.index].version}
-        limit = self.relay_limits[chunk.index]
-        return {"rx": limit} if limit else {}
+            return None, self.held[chunk.index].version
+        return self.relay_limits[chunk.index] or None, None
 
     @property
     def numel(self) -> int:

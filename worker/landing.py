@@ -78,8 +78,8 @@ class Landing:
         A dense reply is copied; a relayed one (``rl`` pushes) is decoded and summed into place;
         a compressed one is applied to the chunk's ``w_pub``, which is copied.
         """
-        relayed = reply.get("rl", 0)
-        if "pc" in reply.fields:
+        relayed = reply.body.relayed
+        if reply.body.pull_kind is not None:
             nbytes = land_compressed(self.state, chunk, reply, self.target)
         elif relayed:
             nbytes = land_relayed(self.state, chunk, reply.payloads, relayed, self.target)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from kvstore.codecs import xp
 from kvstore.errors import KVStoreError, KVStoreTimeoutError
-from kvstore.wire import Op
+from kvstore.wire import PullFields
 from kvstore.worker import prefetch
 from kvstore.worker.keys import KeyState
 from kvstore.worker.landing import Landing
@@ -53,13 +53,9 @@ class Pulls:
         return [
             self._store.transport.submit(
                 chunk.server,
-                Op.PULL,
-                {
-                    "k": state.key,
-                    "c": chunk.index,
-                    "af": state.pushes_sent[chunk.index],
-                    **state.pull_fields(chunk),
-                },
+                PullFields(
+                    state.key, chunk.index, state.pushes_sent[chunk.index], *state.pull_offer(chunk)
+                ),
                 priority=priority,
                 what=f"pull of key {state.key!r} chunk {chunk.index}",
                 on_done=landing.callback(chunk),

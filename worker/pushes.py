@@ -22,7 +22,7 @@ import numpy as np
 from kvstore.codecs.base import KeyEncoder, PushQuality
 from kvstore.codecs.finite import count_nonfinite
 from kvstore.errors import KVStoreError, NonFiniteError
-from kvstore.wire import Op
+from kvstore.wire import Op, PushFields, PushPullFields
 from kvstore.worker import values as vals
 from kvstore.worker.keys import KeyState
 from kvstore.worker.landing import Landing
@@ -114,22 +114,26 @@ class Pushes:
                 clock.lap()
                 if measured is not None:
                     measured.append(encoder.quality(values))
-                fields = {"k": state.key, "c": chunk.index, "n": chunk.numel}
                 what = f"{op.name} of key {state.key!r} chunk {chunk.index}"
                 rounds = encoder.round_trips
                 if rounds > 1:  # (PUSH only: see KVStore.pushpull and prefetch.asks_for_values)
                     assert op is Op.PUSH and landing is None
                     request = RoundTrips(
-                        store.transport, stats, encoder, chunk.server, fields,
+                        store.transport, stats, encoder, chunk.server,
+                        PushFields(state.key, chunk.index, chunk.numel),
                         priority, (state.key, chunk.index), what,
                     ).start(payloads)  # fmt: skip
                 else:
+                    body: PushFields | PushPullFields
                     if op is Op.PUSHPULL:
-                        fields.update(state.pull_fields(chunk))
+                        body = PushPullFields(
+                            state.key, chunk.index, chunk.numel, *state.pull_offer(chunk)
+                        )
+                    else:
+                        body = PushFields(state.key, chunk.index, chunk.numel)
                     request = store.transport.submit(
                         chunk.server,
-                        op,
-                        fields,
+                        body,
                         payloads,
                         priority=priority,
                         order_key=(state.key, chunk.index),

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvstore.codecs import Encoder
 from kvstore.errors import KVStoreError, ProtocolError
-from kvstore.wire import Op
+from kvstore.wire import Op, PushFields
 from kvstore.worker.request import Request
 from kvstore.worker.stats import TrafficStats
 from kvstore.worker.transport import Transport
@@ -39,7 +39,7 @@ class RoundTrips:
         stats: TrafficStats,
         encoder: Encoder,
         server: int,
-        fields: dict[str, Any],
+        push: PushFields,
         priority: int,
         order_key: Any,
         what: str,
@@ -48,7 +48,7 @@ class RoundTrips:
         self._stats = stats
         self._encoder = encoder
         self._server = server
-        self._fields = fields
+        self._push = push
         self._priority = priority
         self._order_key = order_key
         self._what = what
@@ -68,8 +68,7 @@ class RoundTrips:
         try:
             return self._transport.submit(
                 self._server,
-                Op.PUSH,
-                self._fields,
+                self._push,
                 payloads,
                 priority=self._priority,
                 order_key=self._order_key,

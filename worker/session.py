@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 
 from kvstore.errors import ConnectionLostError, KVStoreError, KVStoreTimeoutError
-from kvstore.wire import LANE_CONTROL, LANE_DATA, Op
+from kvstore.wire import LANE_CONTROL, LANE_DATA, ByeFields, HelloFields
 from kvstore.worker.request import Deadline, Request, wait_all
 from kvstore.worker.store_state import StoreState
 from kvstore.worker.transport import Transport
@@ -34,17 +34,16 @@ def handshake(store: StoreState, servers: Sequence[str]) -> None:
     requests = [
         transport.submit(
             server,
-            Op.HELLO,
-            {
-                "r": store.rank,
-                "nw": store.num_workers,
-                "ns": store.num_servers,
-                "si": server,
-                "m": store.mode,
-                "ln": lane,
+            HelloFields(
+                rank=store.rank,
+                num_workers=store.num_workers,
+                num_servers=store.num_servers,
+                server_rank=server,
+                mode=store.mode,
+                lane=lane,
                 # the server refuses us here if our chunks could exceed its message limit
-                "pb": store.options.partition_bytes,
-            },
+                partition_bytes=store.options.partition_bytes,
+            ),
             what=f"handshake with server {server} ({address})",
             lane=lane,
         )
@@ -73,7 +72,7 @@ def _leave_after_refusal(transport: Transport, hellos: list[Request]) -> None:
     # (the HELLOs are per server, data lane then control lane: see handshake)
     lanes = [(r.server, (LANE_DATA, LANE_CONTROL)[i % 2]) for i, r in enumerate(hellos)]
     byes = [
-        transport.submit(server, Op.BYE, what="goodbye", lane=lane)
+        transport.submit(server, ByeFields(), what="goodbye", lane=lane)
         for (server, lane), hello in zip(lanes, hellos, strict=True)
         if hello.done() and not hello.failed()
     ]
@@ -88,7 +87,7 @@ def say_goodbye(store: StoreState, deadline: Deadline) -> None:
     not acknowledged is only logged."""
     try:
         byes = [
-            store.transport.submit(s, Op.BYE, what="goodbye", lane=lane)
+            store.transport.submit(s, ByeFields(), what="goodbye", lane=lane)
             for s in range(store.num_servers)
             for lane in (LANE_DATA, LANE_CONTROL)
         ]

@@ -68,7 +68,7 @@ from kvstore.errors import (
     error_from_code,
 )
 from kvstore.metrics import WorkerMetrics, frames_nbytes
-from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op, ReplyFields
+from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op, PingFields, ReplyFields
 from kvstore.worker.connections import Connections, head_order
 from kvstore.worker.heartbeats import Heartbeats
 from kvstore.worker.push_lead import LEAD_CHUNKS, LEAD_OPS
@@ -129,6 +129,8 @@ class Transport:
             server is then authenticated and encrypted (:mod:`kvstore.auth`), and a handshake
             that fails (wrong keys, or keys on one side only) fails the requests to that server
             with :class:`~kvstore.errors.AuthenticationError`. None: plain connections.
+        native_sends: send large buffers through the compiled free function of
+            :mod:`kvstore.zerocopy`; False: pyzmq's zero-copy sends.
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class Transport:
         metrics: WorkerMetrics | None = None,
         curve: CurveKeys | None = None,
         heartbeat_timeout: float = 0.0,
+        native_sends: bool = True,
     ) -> None:
         self.servers = tuple(servers)
         self._metrics = metrics
@@ -166,7 +169,8 @@ class Transport:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._wake_pending = False
-        self._sender = ZeroCopySender()  # used by the I/O thread only
+        # (used by the I/O thread only; KVSTORE_NATIVE_SENDS=0: pyzmq's zero-copy sends)
+        self._sender = ZeroCopySender(native=None if native_sends else False)
         self._sent_on: set[zmq.Socket] = set()  # sockets the I/O thread sent on since it read them
         self._connections = Connections(
             self._context,
@@ -189,8 +193,7 @@ class Transport:
     def submit(
         self,
         server: int,
-        op: Op,
-        fields: dict[str, Any] | None = None,
+        body: wire.Fields,
         payloads: Sequence[Any] = (),
         *,
         priority: int = 0,
@@ -203,8 +206,8 @@ class Transport:
 
         Args:
             server: server rank.
-            op: the operation.
-            fields: header fields (see :data:`kvstore.wire.SCHEMA`).
+            body: the request's fields; its type is the operation (e.g.
+                :class:`~kvstore.wire.PullFields`: a PULL).
             payloads: buffers to send without copying.
             priority: higher is sent earlier.
             order_key: requests with the same key on one lane are sent in submission order
@@ -216,7 +219,8 @@ class Transport:
                 lane and everything else the control lane.
         """
         rid = next(self._ids)
-        frames = wire.encode(op, rid, fields, payloads)
+        op = wire.OP_OF[type(body)]
+        frames = wire.request(rid, body, payloads)
         payload_bytes = sum(wire.buffer_nbytes(p) for p in payloads)
         nbytes = payload_bytes + wire.buffer_nbytes(frames[0])
         request = Request(rid, server, op, what or op.name, nbytes)
@@ -454,13 +458,14 @@ class Transport:
         if metrics is not None:
             metrics.received(request.op if request is not None else None, frames_nbytes(frames))
             if msg.op is Op.ERROR:
-                metrics.remote_error(msg["code"])
+                metrics.remote_error(msg.body.code)
         if request is None:
             logger.debug("reply to unknown request %d ignored", msg.rid)
             return
         if msg.op is Op.ERROR:
             where = f"server {request.server} ({self.servers[request.server]})"
-            error = error_from_code(msg["code"], msg["msg"], where, msg.get("lr"))
+            failure = msg.body
+            error = error_from_code(failure.code, failure.message, where, failure.lost_rank)
             request._complete(None, error)
             if request.op is Op.PING and self._heartbeats.ping_refused(request, error):
                 self._fail_server(request.server, error)
@@ -477,7 +482,7 @@ class Transport:
         reply says which of this worker's pushes its value includes, so they need no reply of
         their own."""
         acknowledged: list[Request] = []
-        for rid in msg.get("ak", ()):
+        for rid in msg.body.acks or ():
             push = self._pending.pop(rid, None)
             if push is not None:
                 acknowledged.append(push)
@@ -508,7 +513,7 @@ class Transport:
 
         Returns the request, or None where it could not go (the server is lost)."""
         rid = next(self._ids)
-        frames = wire.encode(Op.PING, rid)
+        frames = wire.request(rid, PingFields())
         request = Request(rid, server, Op.PING, f"heartbeat to server {server}", len(frames[0]))
         lane = self._lanes[server][LANE_CONTROL]
         with self._lock:

@@ -461,8 +461,8 @@ def test_a_save_with_a_round_in_flight_is_refused(tmp_path):
         rids = [client.send("SAVE", {"p": staging}) for client in clients]
         for client, rid in zip(clients, rids, strict=True):
             reply = client.receive()
-            assert (reply.rid, reply.op.name, reply["code"]) == (rid, "ERROR", "checkpoint")
-            assert "round in flight (pushes of rank(s) [0])" in reply["msg"]
+            assert (reply.rid, reply.op.name, reply.body.code) == (rid, "ERROR", "checkpoint")
+            assert "round in flight (pushes of rank(s) [0])" in reply.body.message
         assert not (Path(staging) / checkpoint.server_file(0)).exists()
     finally:
         for client in clients:

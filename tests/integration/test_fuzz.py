@@ -193,7 +193,7 @@ class Peer:
                 self.invalid_replies.append(str(exc))
                 continue
             self.got[msg.rid] += 1
-            self.codes[msg["code"] if msg.op is Op.ERROR else "reply"] += 1
+            self.codes[msg.body.code if msg.op is Op.ERROR else "reply"] += 1
         return n
 
     def missing(self) -> Counter[int]:

@@ -30,8 +30,8 @@ INIT = {"k": "w", "c": 0, "o": 0, "n": 4, "dt": "float32", "sh": [4], "cd": "non
 
 def assert_error(reply, code, text=""):
     assert reply.op is Op.ERROR, reply
-    assert reply["code"] == code, reply.fields
-    assert text in reply["msg"], reply["msg"]
+    assert reply.body.code == code, reply.fields
+    assert text in reply.body.message, reply.body.message
 
 
 def assert_served(address, partition_bytes=None):
@@ -75,10 +75,10 @@ def test_error_texts_over_4096_characters_are_sent_truncated(client, one_server)
     client.hello()
     reply = client.request("SET_OPTIMIZER", {"opt": "x" * wire.MAX_TEXT, "hp": {}})
     assert_error(reply, "optimizer", "xxxx")
-    assert len(reply["msg"]) <= wire.MAX_TEXT and reply["msg"].endswith("(truncated)")
+    assert len(reply.body.message) <= wire.MAX_TEXT and reply.body.message.endswith("(truncated)")
     reply = client.request("INIT", {**INIT, "cd": "y" * wire.MAX_TEXT})
     assert_error(reply, "codec", "yyyy")
-    assert reply["msg"].endswith("(truncated)")
+    assert reply.body.message.endswith("(truncated)")
     client.send("BYE")
     client.receive()
     assert_served(one_server)

@@ -172,7 +172,7 @@ def _run_job(stores: list, addresses: list[str]) -> None:
     raw = RawClient(addresses[0])
     try:
         raw.send_frames([b"not msgpack"])
-        assert raw.receive().fields["code"] == "bad_message"
+        assert raw.receive().body.code == "bad_message"
     finally:
         raw.close()
 

@@ -167,7 +167,7 @@ def test_the_rounds_on_the_wire(client):
     assert client.request("INIT", init, [np.zeros(rows * cols, np.float32)]).op.name == "REPLY"
     push = {"k": "pw", "c": 0, "n": rows * cols}
     refused = client.request("PUSH", push, [np.zeros(7, np.float32)])
-    assert refused.op.name == "ERROR" and refused.fields["code"] == "codec"
+    assert refused.op.name == "ERROR" and refused.body.code == "codec"
     p = np.random.default_rng(1).standard_normal((rows, 4)).astype(np.float32)
     reply = client.request("PUSH", push, [p])
     p_hat = np.frombuffer(reply.payloads[0], np.float32).reshape(rows, 4)

@@ -21,8 +21,8 @@ INIT = {"k": "w", "c": 0, "o": 0, "n": 4, "dt": "float32", "sh": [4], "cd": "non
 
 def assert_error(reply, code, text=""):
     assert reply.op is Op.ERROR, reply
-    assert reply["code"] == code, reply.fields
-    assert text in reply["msg"], reply["msg"]
+    assert reply.body.code == code, reply.fields
+    assert text in reply.body.message, reply.body.message
 
 
 def assert_server_still_serves(address):
@@ -132,7 +132,7 @@ def test_a_second_push_in_a_round_waits_for_the_next_round(servers_factory, n):
         # acknowledges the push (it is listed in "ak", no separate ack); b gets its own ack.
         a_pull = a.receive()
         assert a_pull.rid == pull_rid
-        assert a_pull["ak"] == [pull_rid - 1]
+        assert a_pull.body.acks == [pull_rid - 1]
         assert np.array_equal(np.frombuffer(a_pull.payloads[0], np.float32), np.full(n, 1010))
         assert b.receive().op is Op.REPLY
         assert not a.socket.poll(200)  # nothing else for a

@@ -133,8 +133,8 @@ def test_malformed_sparse_pushes_get_errors_and_the_server_keeps_serving(client)
         ([b"\0" * 5, b"\0" * 4], "not whole"),
     ]:
         reply = client.request("PUSH", push, payloads)
-        assert reply.op is Op.ERROR and reply["code"] == "codec", reply.fields
-        assert text in reply["msg"]
+        assert reply.op is Op.ERROR and reply.body.code == "codec", reply.fields
+        assert text in reply.body.message
     assert client.request("PUSH", push, _pair([2, 9], [1.5, -2])).op is Op.REPLY
     reply = client.request("PULL", {"k": "s", "c": 0, "af": 1})
     expected = np.zeros(10, np.float32)
@@ -170,8 +170,8 @@ def test_the_server_refuses_the_combination_from_raw_clients(one_server):
         assert c.hello().op is Op.REPLY
         assert c.request("INIT", dgc, [np.zeros(10, np.float32)]).op is Op.REPLY
         reply = c.request("SET_OPTIMIZER", momentum)
-        assert reply.op is Op.ERROR and reply["code"] == "optimizer"
-        assert "double momentum" in reply["msg"]
+        assert reply.op is Op.ERROR and reply.body.code == "optimizer"
+        assert "double momentum" in reply.body.message
         assert c.request("BYE").op is Op.REPLY
     finally:
         c.close()
@@ -180,8 +180,8 @@ def test_the_server_refuses_the_combination_from_raw_clients(one_server):
         assert c.hello().op is Op.REPLY
         assert c.request("SET_OPTIMIZER", momentum).op is Op.REPLY
         reply = c.request("INIT", dgc, [np.zeros(10, np.float32)])
-        assert reply.op is Op.ERROR and reply["code"] == "codec"
-        assert "double momentum" in reply["msg"]
+        assert reply.op is Op.ERROR and reply.body.code == "codec"
+        assert "double momentum" in reply.body.message
         assert c.request("BYE").op is Op.REPLY
     finally:
         c.close()

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from kvstore import wire
-from kvstore.wire import Op
+from kvstore.wire import Op, PushFields
 from kvstore.worker import transport as transport_module
 from kvstore.worker.transport import Transport
 
@@ -66,7 +66,9 @@ def assert_no_push_comes(sock: zmq.Socket) -> None:
             return
         _identity, *frames = sock.recv_multipart()
         message = wire.decode(frames)
-        assert message.op is not Op.PUSH, f"push {message['k']}/{message['c']} was not held back"
+        assert message.op is not Op.PUSH, (
+            f"push {message.body.key}/{message.body.chunk} was not held back"
+        )
 
 
 def answer(sock: zmq.Socket, identity: bytes, message: wire.Message) -> None:
@@ -76,7 +78,7 @@ def answer(sock: zmq.Socket, identity: bytes, message: wire.Message) -> None:
 def submit_bulk_pushes(transport: Transport, count: int) -> list:
     payload = np.ones(BULK_ELEMENTS, np.float32)
     return [
-        transport.submit(0, Op.PUSH, {"k": "big", "c": c, "n": BULK_ELEMENTS}, [payload])
+        transport.submit(0, PushFields(key="big", chunk=c, numel=BULK_ELEMENTS), [payload])
         for c in range(count)
     ]
 
@@ -89,23 +91,23 @@ def test_lead_limit_holds_pushes_until_answered(router, monkeypatch):
     try:
         requests = submit_bulk_pushes(transport, 8)
         first = receive_pushes(sock, 3)
-        assert [m["c"] for _, m in first] == [0, 1, 2]
+        assert [m.body.chunk for _, m in first] == [0, 1, 2]
         assert_no_push_comes(sock)  # three unanswered, then held back
 
         answer(sock, *first[0])
         requests[0].wait(timeout=HANG_GUARD_S)
         second = receive_pushes(sock, 1)
-        assert [m["c"] for _, m in second] == [3]  # one answer lets one more go
+        assert [m.body.chunk for _, m in second] == [3]  # one answer lets one more go
         assert_no_push_comes(sock)
 
         # Answered one at a time, the rest leave in order.
         unanswered = first[1:] + second
-        sent = [m["c"] for _, m in first + second]
+        sent = [m.body.chunk for _, m in first + second]
         while unanswered:
             answer(sock, *unanswered.pop(0))
             if len(sent) < 8:
                 unanswered += receive_pushes(sock, 1)
-                sent.append(unanswered[-1][1]["c"])
+                sent.append(unanswered[-1][1].body.chunk)
         assert sent == list(range(8))
         for request in requests:
             request.wait(timeout=HANG_GUARD_S)
@@ -120,7 +122,7 @@ def test_lead_limit_lapses_without_answers(router):
     try:
         requests = submit_bulk_pushes(transport, 8)
         got = receive_pushes(sock, 8)
-        assert [m["c"] for _, m in got] == list(range(8))
+        assert [m.body.chunk for _, m in got] == list(range(8))
         for identity, message in got:
             answer(sock, identity, message)
         for request in requests:
@@ -136,14 +138,14 @@ def test_small_pushes_and_other_servers_are_not_held_back(router, monkeypatch):
     try:
         big = np.ones(BULK_ELEMENTS, np.float32)
         small = np.ones(16, np.float32)
-        transport.submit(0, Op.PUSH, {"k": "big", "c": 0, "n": BULK_ELEMENTS}, [big])
-        transport.submit(0, Op.PUSH, {"k": "big", "c": 1, "n": BULK_ELEMENTS}, [big])
+        transport.submit(0, PushFields(key="big", chunk=0, numel=BULK_ELEMENTS), [big])
+        transport.submit(0, PushFields(key="big", chunk=1, numel=BULK_ELEMENTS), [big])
         for c in range(5):
-            transport.submit(0, Op.PUSH, {"k": "small", "c": c, "n": 16}, [small])
+            transport.submit(0, PushFields(key="small", chunk=c, numel=16), [small])
         got = receive_pushes(sock, 6)
         assert_no_push_comes(sock)
         # The second bulk push waits for an answer; express-sized pushes never do.
-        assert sorted((m["k"], m["c"]) for _, m in got) == [("big", 0)] + [
+        assert sorted((m.body.key, m.body.chunk) for _, m in got) == [("big", 0)] + [
             ("small", c) for c in range(5)
         ]
     finally:

@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from kvstore import wire
-from kvstore.wire import Op
+from kvstore.wire import Op, PullFields, PushFields
 from kvstore.worker import transport as transport_module
 from kvstore.worker.transport import Transport
 
@@ -80,11 +80,11 @@ def test_every_reply_is_taken_without_waiting_for_the_idle_timeout(echo_servers,
             for i in range(BURST):
                 server = i % 2
                 if i % 4 < 2:
-                    fields = {"k": "w", "c": 0, "n": payload.size}
-                    requests.append(transport.submit(server, Op.PUSH, fields, [payload]))
+                    push = PushFields(key="w", chunk=0, numel=payload.size)
+                    requests.append(transport.submit(server, push, [payload]))
                 else:
-                    pull = {"k": "w", "c": 0, "af": 0}
-                    requests.append(transport.submit(server, Op.PULL, pull))
+                    pull = PullFields(key="w", chunk=0, after_pushes=0)
+                    requests.append(transport.submit(server, pull))
             for request in requests:
                 request.wait(timeout=REPLY_TIMEOUT_S)
     finally:

@@ -15,7 +15,7 @@ from kvstore.config import (
 )
 from kvstore.errors import ConfigError, ConnectionLostError, ErrorCode, error_from_code
 from kvstore.heartbeat import Liveness
-from kvstore.wire import Op
+from kvstore.wire import Op, ReplyFields
 from kvstore.worker.request import Deadline
 
 
@@ -94,9 +94,12 @@ def test_lost_peers_errors():
 def test_wire_carries_the_lost_rank_and_the_servers_heartbeat():
     frames = wire.error(7, ErrorCode.WORKER_LOST, "lost", lost_rank=3)
     message = wire.decode(frames)
-    assert message.op is Op.ERROR and message["lr"] == 3
+    assert message.op is Op.ERROR and message.body.lost_rank == 3
     assert "lr" not in wire.decode(wire.error(7, ErrorCode.BAD_VALUE, "no")).fields
-    assert wire.decode(wire.reply(1, {"sr": 0, "hb": 1500}))["hb"] == 1500
+    assert (
+        wire.decode(wire.reply(1, ReplyFields(server_rank=0, heartbeat_ms=1500))).body.heartbeat_ms
+        == 1500
+    )
     assert wire.decode(wire.encode(Op.PING, 9)).op is Op.PING
 
 

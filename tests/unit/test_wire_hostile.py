@@ -70,14 +70,16 @@ def test_error_replies_truncate_long_texts():
     frames = wire.error(5, "codec", "unknown codec " + "x" * 10_000)
     msg = wire.decode(frames)
     assert msg.op is Op.ERROR and msg.rid == 5
-    assert len(msg["msg"]) <= wire.MAX_TEXT
-    assert msg["msg"].startswith("unknown codec xxx") and msg["msg"].endswith("(truncated)")
-    assert wire.decode(wire.error(6, "codec", "short"))["msg"] == "short"
+    assert len(msg.body.message) <= wire.MAX_TEXT
+    assert msg.body.message.startswith("unknown codec xxx") and msg.body.message.endswith(
+        "(truncated)"
+    )
+    assert wire.decode(wire.error(6, "codec", "short")).body.message == "short"
 
 
 def test_hello_may_announce_the_partition_size():
     frames = wire.encode(Op.HELLO, 1, {**HELLO, "pb": 4 << 20})
-    assert wire.decode(frames)["pb"] == 4 << 20
+    assert wire.decode(frames).body.partition_bytes == 4 << 20
     assert "pb" not in wire.decode(wire.encode(Op.HELLO, 1, HELLO)).fields
     with pytest.raises(ProtocolError, match="'pb'"):
         wire.decode([_packed(Op.HELLO, {**HELLO, "pb": -1})])
