@@ -38,7 +38,8 @@ from kvstore.errors import (
 )
 
 if _typing.TYPE_CHECKING:
-    from kvstore.worker.client import KVStore, TrafficStats
+    from kvstore.worker.client import KVStore
+    from kvstore.worker.stats import TrafficStats
 
 __all__ = [
     "MODES",
@@ -66,16 +67,18 @@ __all__ = [
 ]
 
 
-_LAZY = ("KVStore", "TrafficStats")
+_LAZY = {"KVStore": "kvstore.worker.client", "TrafficStats": "kvstore.worker.stats"}
+"""Names imported on first use, by the module that defines them."""
 
 
 def __getattr__(name: str) -> object:
     # The worker client is imported on first use: importing kvstore stays free of sockets,
     # threads, CuPy and torch.
-    if name in _LAZY:
-        from kvstore.worker import client  # noqa: PLC0415
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib  # noqa: PLC0415
 
-        return getattr(client, name)
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
 
 
