@@ -438,31 +438,6 @@ class ServerConfig:
         return cls(**values)
 
 
-def partition_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
-    """``KVSTORE_PARTITION_BYTES`` or its default (a server derives its message limit from it)."""
-    env = os.environ if env is None else env
-    return env_value(env, "KVSTORE_PARTITION_BYTES", DEFAULT_PARTITION_BYTES)
-
-
-def max_message_bytes_from_env(env: Mapping[str, str] | None = None) -> int | None:
-    """``KVSTORE_MAX_MESSAGE_BYTES``, or None (unset: derived from the partition size)."""
-    env = os.environ if env is None else env
-    return env_value(env, "KVSTORE_MAX_MESSAGE_BYTES", None)
-
-
-def server_threads_from_env(env: Mapping[str, str] | None = None) -> int:
-    """``KVSTORE_SERVER_THREADS`` or the default."""
-    env = os.environ if env is None else env
-    threads = env_value(env, "KVSTORE_SERVER_THREADS", None)
-    return default_server_threads() if threads is None else threads
-
-
-def heartbeat_timeout_from_env(env: Mapping[str, str] | None = None) -> float:
-    """``KVSTORE_HEARTBEAT_TIMEOUT`` in seconds (default 30; 0: heartbeats off)."""
-    env = os.environ if env is None else env
-    return env_value(env, "KVSTORE_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT)
-
-
 def heartbeat_interval(timeout: float) -> float:
     """How often a worker pings each server (and a server checks on its workers) for a
     heartbeat timeout of ``timeout`` seconds: a sixth of it, at most

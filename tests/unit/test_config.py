@@ -21,7 +21,6 @@ from kvstore.config import (
     default_push_tos,
     default_server_threads,
     metrics_config_from_env,
-    server_threads_from_env,
 )
 from kvstore.envvars import ENV_VARS
 from kvstore.errors import ConfigError
@@ -109,9 +108,9 @@ def test_server_config_validation():
         ServerConfig(num_workers=0)
     with pytest.raises(ConfigError, match="--port"):
         ServerConfig(port=70000)
-    assert server_threads_from_env({"KVSTORE_SERVER_THREADS": "3"}) == 3
+    assert ServerConfig.from_env({"KVSTORE_SERVER_THREADS": "3"}).threads == 3
     with pytest.raises(ConfigError, match="KVSTORE_SERVER_THREADS"):
-        server_threads_from_env({"KVSTORE_SERVER_THREADS": "0"})
+        ServerConfig.from_env({"KVSTORE_SERVER_THREADS": "0"})
     assert cpu_kernels_from_env({}) == "numba"
     with pytest.raises(ConfigError, match="KVSTORE_CPU_KERNELS"):
         cpu_kernels_from_env({"KVSTORE_CPU_KERNELS": "gpu"})

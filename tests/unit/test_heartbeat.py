@@ -11,7 +11,6 @@ from kvstore.config import (
     ServerConfig,
     WorkerOptions,
     heartbeat_interval,
-    heartbeat_timeout_from_env,
 )
 from kvstore.errors import ConfigError, ConnectionLostError, ErrorCode, error_from_code
 from kvstore.heartbeat import Liveness
@@ -66,12 +65,12 @@ def test_liveness_needs_positive_times():
 
 
 def test_heartbeat_settings():
-    assert heartbeat_timeout_from_env({}) == DEFAULT_HEARTBEAT_TIMEOUT == 30.0
-    assert heartbeat_timeout_from_env({"KVSTORE_HEARTBEAT_TIMEOUT": "1.5"}) == 1.5
-    assert heartbeat_timeout_from_env({"KVSTORE_HEARTBEAT_TIMEOUT": "0"}) == 0.0
+    assert ServerConfig.from_env({}).heartbeat_timeout == DEFAULT_HEARTBEAT_TIMEOUT == 30.0
+    assert ServerConfig.from_env({"KVSTORE_HEARTBEAT_TIMEOUT": "1.5"}).heartbeat_timeout == 1.5
+    assert ServerConfig.from_env({"KVSTORE_HEARTBEAT_TIMEOUT": "0"}).heartbeat_timeout == 0.0
     for bad in ("-1", "x", "0.01", "nan"):
         with pytest.raises(ConfigError, match="KVSTORE_HEARTBEAT_TIMEOUT"):
-            heartbeat_timeout_from_env({"KVSTORE_HEARTBEAT_TIMEOUT": bad})
+            ServerConfig.from_env({"KVSTORE_HEARTBEAT_TIMEOUT": bad})
     assert WorkerOptions.from_env({"KVSTORE_HEARTBEAT_TIMEOUT": "2"}).heartbeat_timeout == 2.0
     assert WorkerOptions.from_env({}, heartbeat_timeout=0).heartbeat_timeout == 0.0
     assert WorkerOptions().heartbeat_timeout == 30.0

@@ -12,8 +12,6 @@ from kvstore.config import (
     DEFAULT_PARTITION_BYTES,
     ServerConfig,
     WorkerOptions,
-    max_message_bytes_from_env,
-    partition_bytes_from_env,
 )
 from kvstore.errors import ConfigError
 from kvstore.topology import (
@@ -62,14 +60,16 @@ def test_the_default_limit_is_about_one_partition():
 
 
 def test_message_limit_settings():
-    assert max_message_bytes_from_env({}) is None
-    assert max_message_bytes_from_env({"KVSTORE_MAX_MESSAGE_BYTES": "1048576"}) == 1 << 20
+    assert ServerConfig.from_env({}).max_message_bytes is None
+    assert (
+        ServerConfig.from_env({"KVSTORE_MAX_MESSAGE_BYTES": "1048576"}).max_message_bytes == 1 << 20
+    )
     with pytest.raises(ConfigError, match="KVSTORE_MAX_MESSAGE_BYTES='1000' must be >= 65536"):
-        max_message_bytes_from_env({"KVSTORE_MAX_MESSAGE_BYTES": "1000"})
+        ServerConfig.from_env({"KVSTORE_MAX_MESSAGE_BYTES": "1000"})
     with pytest.raises(ConfigError, match="KVSTORE_MAX_MESSAGE_BYTES"):
-        max_message_bytes_from_env({"KVSTORE_MAX_MESSAGE_BYTES": "lots"})
-    assert partition_bytes_from_env({}) == DEFAULT_PARTITION_BYTES
-    assert partition_bytes_from_env({"KVSTORE_PARTITION_BYTES": "65536"}) == 65536
+        ServerConfig.from_env({"KVSTORE_MAX_MESSAGE_BYTES": "lots"})
+    assert ServerConfig.from_env({}).partition_bytes == DEFAULT_PARTITION_BYTES
+    assert ServerConfig.from_env({"KVSTORE_PARTITION_BYTES": "65536"}).partition_bytes == 65536
     with pytest.raises(ConfigError, match="max_message_bytes must be >= 65536"):
         ServerConfig(max_message_bytes=100)
     with pytest.raises(ConfigError, match="partition_bytes"):
