@@ -26,10 +26,13 @@ SCRIPT = str(Path(sw.__file__).resolve())
 f32 = np.float32
 
 
-def launch(name: str, outdir: Path, n: int = N, s: int = S) -> list[dict[str, np.ndarray]]:
+def launch(
+    name: str, outdir: Path, n: int = N, s: int = S, env: dict[str, str] | None = None
+) -> list[dict[str, np.ndarray]]:
+    """Run scenario ``name`` with ``kvstore-launch`` (``env``: its environment, else ours)."""
     command = [sys.executable, "-m", "kvstore.deploy", "-n", str(n), "-s", str(s)]
     command += ["--server-threads", "2", "--", sys.executable, SCRIPT, name, str(outdir)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     return [dict(np.load(outdir / f"{name}_rank{r}.npz")) for r in range(n)]
 

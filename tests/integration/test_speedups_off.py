@@ -9,12 +9,9 @@ environment, and checked against the same references as with all of them on.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
-import numpy as np
 import pytest
-from test_multiprocess import SCRIPT, check_sgd, check_twobit
+from test_multiprocess import check_sgd, check_twobit, launch
 
 from kvstore.envvars import ENV_VARS
 
@@ -41,8 +38,4 @@ def test_every_switch_is_a_declared_variable():
 @pytest.mark.parametrize("name, check", [("twobit", check_twobit), ("sgd", check_sgd)])
 def test_a_job_without_its_speedups_pulls_the_same_values(tmp_path, name, check):
     env = {**os.environ, **dict.fromkeys(SWITCHES, "0")}
-    command = [sys.executable, "-m", "kvstore.deploy", "-n", "2", "-s", "2"]
-    command += ["--server-threads", "2", "--", sys.executable, SCRIPT, name, str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    check([dict(np.load(tmp_path / f"{name}_rank{r}.npz")) for r in range(2)])
+    check(launch(name, tmp_path, n=2, s=2, env=env))
