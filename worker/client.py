@@ -142,7 +142,7 @@ class KVStore:
             if metrics is not None:
                 metrics.close()
             raise
-        # What the parts share; the store keeps its keys and transport at hand too.
+        # What the parts share.
         self._shared = StoreState(
             mode,
             cluster.rank,
@@ -154,14 +154,11 @@ class KVStore:
             {},
             metrics,
         )
-        self._keys = self._shared.keys
-        self._transport = transport
-        self._stats = self._shared.stats
         self._pushes = Pushes(self._shared)
         self._pulls = Pulls(self._shared, self._pushes)
         self._checkpoints = CheckpointProtocol(self._shared, self._pushes)
         if metrics is not None:
-            stats = self._stats
+            stats = self._shared.stats
             metrics.watch(
                 lambda: (stats.pushed_bytes, stats.pushed_raw_bytes), transport.queue_depths
             )
@@ -175,7 +172,7 @@ class KVStore:
 
     def _shutdown_transport(self) -> None:
         try:
-            self._transport.close()
+            self._shared.transport.close()
         finally:
             self._close_metrics()
             if self._on_close is not None:
@@ -271,8 +268,8 @@ class KVStore:
 
     def _check_before_init(self, call: str) -> None:
         """Refuse ``call`` (a setting fixed at init) once a key is initialised."""
-        if self._keys:
-            some = ", ".join(repr(k) for k in list(self._keys)[:5])
+        if self._shared.keys:
+            some = ", ".join(repr(k) for k in list(self._shared.keys)[:5])
             raise UsageError(f"{call} must be called before init; keys already initialised: {some}")
 
     def _check_codec(self, codec: Codec) -> None:
@@ -307,13 +304,13 @@ class KVStore:
         """
         self._check_open()
         spec = make_optimizer_spec(name, hyperparameters)
-        for codec in {self._codec, *(state.codec for state in self._keys.values())}:
+        for codec in {self._codec, *(state.codec for state in self._shared.keys.values())}:
             try:  # e.g. momentum on the servers for DGC, which applies it on the workers
                 codec.check_optimizer(spec.name, spec.params)
             except CodecError as exc:
                 raise OptimizerError(str(exc)) from exc
         requests = [
-            self._transport.submit(
+            self._shared.transport.submit(
                 s,
                 SetOptimizerFields(spec.name, dict(spec.params)),
                 what=f"set_optimizer({spec!r})",
@@ -353,7 +350,7 @@ class KVStore:
                 self._check_codec(codec)
             states = []
             for k, v in pairs:
-                if k in self._keys:
+                if k in self._shared.keys:
                     raise DuplicateInitError(
                         f"key {k!r} is already initialised; call kv.init once per key"
                     )
@@ -385,7 +382,7 @@ class KVStore:
                         ask_for_compressed_pulls(init, pull_codec)
                     payloads = [source[chunk.start : chunk.stop]] if source is not None else []
                     requests.append(
-                        self._transport.submit(
+                        self._shared.transport.submit(
                             chunk.server,
                             init,
                             payloads,
@@ -398,7 +395,7 @@ class KVStore:
                 state.ready(
                     [relay_limit(relays, self.num_workers, state, chunk) for chunk in state.chunks]
                 )
-                self._keys[state.key] = state
+                self._shared.keys[state.key] = state
 
     # push / pull -------------------------------------------------------------------------------
 
@@ -478,7 +475,7 @@ class KVStore:
         deadline = self._deadline()
         pending = []
         for state, o in work:
-            landing = Landing(state, o, self._stats)
+            landing = Landing(state, o, self._shared.stats)
             pending.append((landing, self._pulls.requests(state, landing, priority)))
         self._pulls.receive(pending, deadline)
 
@@ -503,7 +500,7 @@ class KVStore:
         pending = []
         for state, v, o in work:
             prefetch.reset(state)  # a pushpull is a push, and its own pull
-            landing = Landing(state, o, self._stats)
+            landing = Landing(state, o, self._shared.stats)
             if state.codec.round_trips > 1:
                 # The last round's reply carries the codec's factors, not the value: push,
                 # then pull (answered once the push's last round is applied).
@@ -533,7 +530,7 @@ class KVStore:
         self._check_open()
         deadline = self._deadline()
         self._pushes.wait_all(deadline=deadline)
-        request = self._transport.submit(0, BarrierFields(), what="barrier")
+        request = self._shared.transport.submit(0, BarrierFields(), what="barrier")
         request.wait(deadline)
 
     # checkpoints -------------------------------------------------------------------------------
@@ -634,7 +631,7 @@ class KVStore:
     def stats(self) -> TrafficStats:
         """A snapshot of the bytes this worker pushed and pulled so far, and of the time its
         calls spent encoding, copying to and from the GPU and waiting for replies."""
-        return dataclasses.replace(self._stats)
+        return dataclasses.replace(self._shared.stats)
 
     @property
     def metrics_port(self) -> int | None:

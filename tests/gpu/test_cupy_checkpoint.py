@@ -56,7 +56,7 @@ def _job(steps, *, load=None, save=None):
             kv.pull("w", out=out)
         if save is not None:
             kv.save_checkpoint(save)
-        residual = [e.state()["residual"] for e in kv._keys["w"].encoders]
+        residual = [e.state()["residual"] for e in kv._shared.keys["w"].encoders]
         return out.get(), np.concatenate(residual)
 
 

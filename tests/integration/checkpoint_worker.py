@@ -49,7 +49,7 @@ def init_value(key: object) -> np.ndarray:
 def residuals(kv: kvstore.KVStore) -> dict[object, np.ndarray]:
     """Each key's residual, chunk after chunk (zeros where no encoder was made yet)."""
     result = {}
-    for key, state in kv._keys.items():
+    for key, state in kv._shared.keys.items():
         parts = []
         for chunk in state.chunks:
             encoder = state.encoders[chunk.index]

@@ -11,12 +11,12 @@ pytestmark = pytest.mark.integration
 
 def _poison_encoders(kv, key):
     """Fill the key's encoder buffers with NaN: a push that copies overwrites them."""
-    for encoder in kv._keys[key].encoders:
+    for encoder in kv._shared.keys[key].encoders:
         encoder._buffer[:] = np.nan
 
 
 def _encoders_untouched(kv, key):
-    return all(np.isnan(encoder._buffer).all() for encoder in kv._keys[key].encoders)
+    return all(np.isnan(encoder._buffer).all() for encoder in kv._shared.keys[key].encoders)
 
 
 def test_borrowed_pushes_are_not_copied_and_sum_like_copied_ones(servers_factory):

@@ -47,7 +47,7 @@ def test_pushpull_keeps_no_reply_buffers_once_landed(one_server):
         out = np.empty(5000, np.float32)
         kv.pushpull("k", np.full(5000, 2, np.float32), out=out)
         assert out.tolist() == [2] * 5000
-        held = [r for r in kv._keys["k"].last_push if r is not None]
+        held = [r for r in kv._shared.keys["k"].last_push if r is not None]
         assert len(held) > 1
         for request in held:
             reply = request.wait(5)
@@ -63,7 +63,7 @@ def test_slices_on_loopback_are_never_long(one_server):
         with connect([one_server], partition_bytes=4096) as kv:
             kv.set_gradient_compression(compression)
             kv.init("k", np.zeros(20_000, np.float32))
-            assert len(kv._keys["k"].chunks) == 23
+            assert len(kv._shared.keys["k"].chunks) == 23
             out = np.empty_like(value)
             kv.push("k", value)
             kv.pull("k", out=out)
@@ -138,13 +138,13 @@ def test_a_send_queue_in_time_keeps_results_exact(servers_factory, monkeypatch):
                 kv.push("k", np.full(n, rank + 1 + step, np.float32))
                 kv.pull("k", out=out)
                 assert (out == 3 + 2 * step).all()
-            return kv._transport._window.rate is not None  # the window was measured
+            return kv._shared.transport._window.rate is not None  # the window was measured
 
     assert any(run_ranks(2, worker))
 
 
 def _push_ops(kv, key):
-    return {request.op for request in kv._keys[key].last_push if request is not None}
+    return {request.op for request in kv._shared.keys[key].last_push if request is not None}
 
 
 def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):
@@ -164,7 +164,7 @@ def test_two_workers_sum_a_key_split_into_many_partitions(servers_factory):
                 out = np.empty(n, np.float32)
                 kv.pull("k", out=out)
                 results.append(out)
-            state = kv._keys["k"]
+            state = kv._shared.keys["k"]
             assert state.prefetched is None
             for request in state.last_push:
                 assert request.wait(5).payloads == []  # landed, then released
@@ -197,7 +197,7 @@ def test_replies_landed_by_the_caller_match_their_chunks(servers_factory, monkey
     n = 6_000
     with connect(addresses, bigarray_bound=1000, partition_bytes=4096) as kv:
         kv.init("k", np.zeros(n, np.float32))
-        state = kv._keys["k"]
+        state = kv._shared.keys["k"]
         assert [c.index for c in state.send_order] != [c.index for c in state.chunks]
         out = np.empty(n, np.float32)
         kv.pushpull("k", np.arange(n, dtype=np.float32), out=out)
@@ -218,13 +218,13 @@ def test_pushes_that_nobody_pulls_stop_asking_for_values(one_server):
         kv.push("k", np.full(3000, 2, np.float32))
         assert _push_ops(kv, "k") == {Op.PUSHPULL}
         kv.push("k", np.full(3000, 3, np.float32))  # the values of the push before: unread
-        assert _push_ops(kv, "k") == {Op.PUSH} and kv._keys["k"].prefetched is None
+        assert _push_ops(kv, "k") == {Op.PUSH} and kv._shared.keys["k"].prefetched is None
         kv.pull("k", out=out)
         assert out.tolist() == [3] * 3000
         kv.push("k", np.full(3000, 4, np.float32))  # a pull followed the push: ask again
         assert _push_ops(kv, "k") == {Op.PUSHPULL}
         kv.pushpull("k", np.full(3000, 5, np.float32), out=out)
-        assert out.tolist() == [5] * 3000 and kv._keys["k"].prefetched is None
+        assert out.tolist() == [5] * 3000 and kv._shared.keys["k"].prefetched is None
         kv.pull("k", out=out)
         assert out.tolist() == [5] * 3000
 

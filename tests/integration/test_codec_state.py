@@ -92,7 +92,7 @@ def test_the_state_is_plain_data_per_key_and_chunk():
         never_pushed = kv.codec_state(KEYS)
         step(kv, 0)
         saved = kv.codec_state(KEYS)
-        chunks = kv._keys["m"].chunks
+        chunks = kv._shared.keys["m"].chunks
     for state in (never_pushed, saved):  # JSON-able but for the arrays
         json.dumps(state, default=lambda array: array.shape)
     assert [k["key"] for k in saved["keys"]] == KEYS

@@ -109,7 +109,7 @@ def worker(rank):
                         bigarray_bound=1000, partition_bytes=4096) as kv:
         kv.set_gradient_compression({"type": "scaled", "scale": 3.0})
         kv.init(["big", 7], [np.zeros(BIG, np.float32), np.zeros(SMALL, np.float32)])
-        chunks = len(kv._keys["big"].chunks)
+        chunks = len(kv._shared.keys["big"].chunks)
         grads = [np.arange(n, dtype=np.float32) * (rank + 1) for n in (BIG, SMALL)]
         outs = [np.empty(BIG, np.float32), np.empty(SMALL, np.float32)]
         kv.push(["big", 7], grads)

@@ -49,10 +49,10 @@ def test_low_rank_gradients_come_back_exact_through_split_chunks(two_servers_two
             kv.set_gradient_compression({"type": "powersgd", "rank": RANK})
             keys = ["w", 7, "wide"]
             kv.init(keys, [np.zeros(SHAPE, np.float32), np.zeros(40, np.float32), _wide(0, 0)])
-            chunks = kv._keys["w"].chunks
+            chunks = kv._shared.keys["w"].chunks
             assert {c.server for c in chunks} == {0, 1} and len(chunks) > 4
             assert all(c.start % 48 == 0 and c.numel % 48 == 0 for c in chunks)  # whole rows
-            assert any(c.numel % 1100 for c in kv._keys["wide"].chunks)
+            assert any(c.numel % 1100 for c in kv._shared.keys["wide"].chunks)
             pulled = []
             for step in range(STEPS):
                 grads = [_low_rank_gradients(rank, step), _vector(rank, step), _wide(rank, step)]

@@ -75,9 +75,9 @@ def test_pulls_are_the_sum_of_what_the_workers_sent(optimizer, two_servers_two_w
             for spec in specs:
                 zeros = [np.zeros(BIG, np.float32), np.zeros(SMALL, np.float32)]
                 kv.init(_keys(spec), zeros, compression=spec)
-            assert len(kv._keys[_keys(specs[0])[0]].chunks) > 2  # the key is cut into chunks
+            assert len(kv._shared.keys[_keys(specs[0])[0]].chunks) > 2  # the key is cut into chunks
             bounds = {
-                key: [(c.start, c.stop) for c in kv._keys[key].chunks]
+                key: [(c.start, c.stop) for c in kv._shared.keys[key].chunks]
                 for spec in specs
                 for key in _keys(spec)
             }

@@ -63,7 +63,7 @@ def test_pulls_are_the_sum_of_what_the_workers_sent(spec, two_servers_two_worker
         with connect(two_servers_two_workers, rank, 2, **SPLIT) as kv:
             kv.set_gradient_compression(spec)
             kv.init(["big", 7], [np.zeros(BIG, np.float32), np.zeros(SMALL, np.float32)])
-            assert len(kv._keys["big"].chunks) > 2  # the key is cut into chunks
+            assert len(kv._shared.keys["big"].chunks) > 2  # the key is cut into chunks
             pulled = []
             for step in range(STEPS):
                 outs = [np.empty(BIG, np.float32), np.empty(SMALL, np.float32)]
@@ -210,7 +210,7 @@ def test_local_checkpoints_resume_bit_identically_with_other_chunks(spec, tmp_pa
     with job(4096) as kv:
         for seed in range(2):
             step(kv, seed)
-        assert len(kv._keys["w"].chunks) > 1
+        assert len(kv._shared.keys["w"].chunks) > 1
         kv.save_checkpoint(tmp_path / "ckpt")
     with job(8192) as kv:  # other chunks: the saved state is cut anew, the step count kept
         kv.load_checkpoint(tmp_path / "ckpt")

@@ -41,7 +41,7 @@ def test_steps_keep_no_requests_or_pull_targets_alive(servers_factory, monkeypat
     with connect(addresses, 0, 1, partition_bytes=PARTITION_BYTES) as kv:
         kv.set_optimizer("sgd", learning_rate=0.1)
         kv.init("k", np.zeros(N, np.float32))
-        chunks = len(kv._keys["k"].chunks)
+        chunks = len(kv._shared.keys["k"].chunks)
         assert chunks >= 16 and N * 4 // chunks > EXPRESS_BYTES
         grad = np.ones(N, np.float32)
         targets: list[weakref.ref] = []
@@ -87,7 +87,7 @@ def test_a_warm_step_allocates_no_buffers(compression, call):
             kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
         kv.set_optimizer("sgd", learning_rate=0.1, momentum=0.9)
         kv.init("k", np.zeros(N, np.float32))
-        smallest_chunk = min(chunk.numel for chunk in kv._keys["k"].chunks) * 4
+        smallest_chunk = min(chunk.numel for chunk in kv._shared.keys["k"].chunks) * 4
         grad = np.random.default_rng(0).standard_normal(N).astype(np.float32)
         out = np.empty(N, np.float32)
 

@@ -81,7 +81,7 @@ def accuracy(flat: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
 def name_the_encoders(kv) -> None:
     """Give the key's encoders the label the client will give them (``KVStore._encoder`` setting
     ``encoder.label = state.describe()``); a no-op once the client does it itself."""
-    state = kv._keys[KEY]
+    state = kv._shared.keys[KEY]
     for encoder in state.encoders:
         if getattr(encoder, "label", None) == "a key":
             encoder.label = state.describe()
