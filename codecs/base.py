@@ -43,7 +43,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from kvstore.codecs.xp import array_module, is_cupy_array
-from kvstore.errors import CodecError
+from kvstore.errors import CodecError, did_you_mean
 
 Payloads = Sequence[Any]
 """Payload frames: zmq Frames, numpy arrays, bytes or memoryviews."""
@@ -318,8 +318,8 @@ class Codec(ABC):
         if unknown:
             accepted = ", ".join(sorted(self.param_defaults)) or "none"
             raise CodecError(
-                f"unknown parameter(s) {sorted(unknown)} for codec {self.name!r}; "
-                f"accepted: {accepted}"
+                f"unknown parameter(s) {sorted(unknown)} for codec {self.name!r}"
+                f"{did_you_mean(sorted(unknown), self.param_defaults)}; accepted: {accepted}"
             )
         self._params: dict[str, ParamValue] = {**self.param_defaults, **params}
 

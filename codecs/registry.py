@@ -31,7 +31,7 @@ from importlib import metadata
 from typing import Any
 
 from kvstore.codecs.base import Codec
-from kvstore.errors import CodecError
+from kvstore.errors import CodecError, did_you_mean
 
 ENTRY_POINT_GROUP = "kvstore.codecs"
 """The entry-point group through which installed distributions add codecs."""
@@ -178,8 +178,8 @@ def codec_class(name: str) -> type[Codec]:
     name is loaded the first time it is asked for.
 
     Raises:
-        CodecError: unknown name (the message lists the registered ones), or an installed codec
-            that fails to load.
+        CodecError: unknown name (the message lists the registered ones, and suggests the
+            closest), or an installed codec that fails to load.
     """
     if not isinstance(name, str):
         raise CodecError(f"expected str for codec `type`, got {type(name).__name__}")
@@ -188,8 +188,10 @@ def codec_class(name: str) -> type[Codec]:
         with _LOADING:
             cls = _REGISTRY.get(name) or _load_entry_point(name)  # loaded meanwhile?
     if cls is None:
+        known = registered_codecs()
         raise CodecError(
-            f"unknown codec {name!r}; registered codecs: {', '.join(registered_codecs())}"
+            f"unknown codec {name!r}{did_you_mean((name,), known)}; "
+            f"registered codecs: {', '.join(known)}"
         )
     return cls
 

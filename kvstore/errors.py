@@ -9,12 +9,49 @@ Errors that a server reports travel as a stable string code plus a message (see
 :func:`error_from_code`, so a misuse is raised as the same class whether the worker or the server
 caught it.
 
+:func:`did_you_mean` words the suggestion of an "unknown name" message (a codec, an optimizer,
+a parameter): the close match to a misspelled name.
+
 This module depends on nothing else in the package.
 """
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from enum import StrEnum
+
+SUGGESTION_CUTOFF = 0.6
+"""How alike (difflib's ratio, 0-1) a known name must be to an unknown one to be suggested:
+``topkk`` gets ``topk``, ``zip`` gets nothing."""
+
+
+def close_match(name: object, choices: Iterable[str]) -> str | None:
+    """The choice most like ``name``, case ignored (difflib's ratio, at least
+    :data:`SUGGESTION_CUTOFF`); None where none is alike, or where ``name`` is not a string."""
+    if not isinstance(name, str):
+        return None
+    by_folded: dict[str, str] = {}
+    for choice in choices:
+        by_folded.setdefault(choice.casefold(), choice)
+    found = difflib.get_close_matches(name.casefold(), by_folded, n=1, cutoff=SUGGESTION_CUTOFF)
+    return by_folded[found[0]] if found else None
+
+
+def did_you_mean(names: Iterable[str], choices: Iterable[str]) -> str:
+    """The suggestion for the unknown ``names`` among ``choices``, to append to a message that
+    names them: ``" (did you mean 'topk'?)"`` for one, ``" (did you mean 'ratio' for 'ratoi',
+    'sample' for 'sampel'?)"`` for several; ``""`` where none has a close match (see
+    :func:`close_match`)."""
+    known = list(choices)
+    unknown = list(names)
+    pairs = [(name, close_match(name, known)) for name in unknown]
+    found = [(name, match) for name, match in pairs if match is not None]
+    if not found:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean {found[0][1]!r}?)"
+    return " (did you mean " + ", ".join(f"{m!r} for {n!r}" for n, m in found) + "?)"
 
 
 class KVStoreError(Exception):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import OptimizerError
+from kvstore.errors import OptimizerError, did_you_mean
 
 Check = Callable[[str, str, Any], Any]
 
@@ -140,14 +140,17 @@ def make_optimizer_spec(name: Any, params: dict[str, Any] | None = None) -> Opti
 
     Raises:
         OptimizerError: unknown optimizer (the message lists the known ones), unknown
-            hyperparameter (the message lists the accepted ones), or a bad value.
+            hyperparameter (the message lists the accepted ones), or a bad value; an unknown
+            name gets the closest known one suggested.
     """
     if not isinstance(name, str):
         raise OptimizerError(f"expected str for optimizer name, got {type(name).__name__}")
     schema = _PARAMS.get(name.lower())
     if schema is None:
+        known = optimizer_names()
         raise OptimizerError(
-            f"unknown optimizer {name!r}; available: {', '.join(optimizer_names())}"
+            f"unknown optimizer {name!r}{did_you_mean((name,), known)}; "
+            f"available: {', '.join(known)}"
         )
     name = name.lower()
     given = dict(params or {})
@@ -158,9 +161,10 @@ def make_optimizer_spec(name: Any, params: dict[str, Any] | None = None) -> Opti
             given[canonical] = given.pop(alias)
     unknown = set(given) - set(schema)
     if unknown:
+        names = sorted(unknown)
         raise OptimizerError(
-            f"optimizer {name!r} has no hyperparameter(s) {sorted(unknown)}; "
-            f"accepted: {', '.join(sorted(schema))}"
+            f"optimizer {name!r} has no hyperparameter(s) {names}"
+            f"{did_you_mean(names, [*schema, *_ALIASES])}; accepted: {', '.join(sorted(schema))}"
         )
     values = {}
     for param, (default, check) in schema.items():

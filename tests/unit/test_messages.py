@@ -1,0 +1,78 @@
+"""The texts users read: a misspelled name gets the closest known one suggested, a far-off name
+gets none, and the full list is always there."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.codecs import codec_from_spec
+from kvstore.errors import CodecError, OptimizerError, close_match, did_you_mean
+from kvstore.optimizer_spec import make_optimizer_spec
+
+
+def test_close_match_ignores_case_and_refuses_far_off_names():
+    assert close_match("topkk", ["2bit", "topk"]) == "topk"
+    assert close_match("TOPK", ["2bit", "topk"]) == "topk"
+    assert close_match("zip", ["2bit", "topk"]) is None
+    assert close_match(3, ["2bit", "topk"]) is None  # a name of the wrong type (from the wire)
+
+
+def test_did_you_mean_for_one_or_several_names():
+    assert did_you_mean(["ratoi"], ["ratio", "sample"]) == " (did you mean 'ratio'?)"
+    assert did_you_mean(["ratoi", "sampel", "zzz"], ["ratio", "sample"]) == (
+        " (did you mean 'ratio' for 'ratoi', 'sample' for 'sampel'?)"
+    )
+    assert did_you_mean(["zzz"], ["ratio", "sample"]) == ""
+
+
+@pytest.mark.parametrize(
+    "spec, suggestion",
+    [
+        ({"type": "topkk"}, "unknown codec 'topkk' (did you mean 'topk'?); registered codecs: "),
+        ({"type": "TopK"}, "unknown codec 'TopK' (did you mean 'topk'?); registered codecs: "),
+        (
+            {"type": "topk", "ratoi": 0.01},
+            "unknown parameter(s) ['ratoi'] for codec 'topk' (did you mean 'ratio'?); "
+            "accepted: ratio, sample",
+        ),
+        (
+            {"type": "2bit", "treshold": 0.5},
+            "unknown parameter(s) ['treshold'] for codec '2bit' (did you mean 'threshold'?)",
+        ),
+    ],
+)
+def test_a_misspelled_codec_or_parameter_gets_a_suggestion(spec, suggestion):
+    with pytest.raises(CodecError) as raised:
+        codec_from_spec(spec)
+    assert suggestion in str(raised.value)
+
+
+def test_a_far_off_codec_name_gets_the_list_and_no_suggestion():
+    with pytest.raises(CodecError) as raised:
+        codec_from_spec({"type": "zip"})
+    message = str(raised.value)
+    assert "did you mean" not in message
+    assert message.startswith("unknown codec 'zip'; registered codecs: ")
+    assert "topk" in message and "2bit" in message
+
+
+@pytest.mark.parametrize(
+    "name, params, text",
+    [
+        ("adma", {}, "unknown optimizer 'adma' (did you mean 'adam'?); available: adam, sgd"),
+        ("SDG", {}, "unknown optimizer 'SDG' (did you mean 'sgd'?); available: adam, sgd"),
+        ("rmsprop", {}, "unknown optimizer 'rmsprop'; available: adam, sgd"),
+        (
+            "sgd",
+            {"momentun": 0.9},
+            "optimizer 'sgd' has no hyperparameter(s) ['momentun'] (did you mean 'momentum'?); "
+            "accepted: clip_gradient, learning_rate, momentum, nesterov, rescale_grad, wd",
+        ),
+        ("adam", {"lrr": 0.1}, "has no hyperparameter(s) ['lrr'] (did you mean 'lr'?)"),
+        ("adam", {"colour": 1}, "has no hyperparameter(s) ['colour']; accepted: beta1, "),
+    ],
+)
+def test_optimizer_names_and_hyperparameters(name, params, text):
+    with pytest.raises(OptimizerError) as raised:
+        make_optimizer_spec(name, params)
+    assert text in str(raised.value)
