@@ -33,9 +33,10 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import zmq
 from zmq.utils import z85
@@ -244,30 +245,94 @@ HANDSHAKE_FAILED_EVENTS = (
 )
 """Socket monitor events of a handshake that failed (libzmq >= 4.3)."""
 _MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+_ZAP_DENIED = 400  # the status of a ZAP reply that refuses the client (500: the handler failed)
 
 
-def describe_handshake_failure(event: int, value: int, server: str, secured: bool) -> str:
-    """Why a worker's handshake with ``server`` failed, from its socket monitor's ``event`` and
-    ``value``; ``secured``: whether the worker has CURVE keys."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+class KeyOrigin(NamedTuple):
+    """Where a process read one of its keys: a ``KVSTORE_AUTH_*_KEY`` variable, or the key's file
+    in ``KVSTORE_AUTH_DIR`` (then ``directory`` is that folder)."""
+
+    variable: str
+    directory: str | None = None
+
+    def __str__(self) -> str:
+        return self.variable if self.directory is None else f"{self.variable}={self.directory}"
+
+
+def key_origin(file_name: str, env: Mapping[str, str] | None = None) -> KeyOrigin | None:
+    """Where a process with environment ``env`` (default ``os.environ``) reads the key of
+    ``file_name`` (``"server-public-key"``, ...), by the rule of
+    :func:`kvstore.config.curve_keys_from_env`: its ``KVSTORE_AUTH_*_KEY`` variable where that
+    is set (not blank), else its file in ``KVSTORE_AUTH_DIR``; None where neither gives it (the
+    keys were handed over in code)."""
+    env = os.environ if env is None else env
+    variable = AUTH_KEY_FILES[file_name]
+    if (env.get(variable) or "").strip():
+        return KeyOrigin(variable)
+    directory = (env.get(AUTH_DIR_VAR) or "").strip()
+    if directory and os.path.isfile(os.path.join(directory, file_name)):
+        return KeyOrigin(AUTH_DIR_VAR, directory)
+    return None
+
+
+def _worker_key_fix(origin: KeyOrigin | None, file_name: str) -> str:
+    """What a worker whose key ``file_name`` (from ``origin``) is not its job's should do."""
+    if origin is None:
+        return f"give the workers the {file_name} of the servers' job (same `kvstore-keygen` run)"
+    if origin.directory is not None:
         return (
-            f"{server} refused this worker's credentials (ZAP status {value}): its client key "
-            f"is not the job's (keys of another job or another `kvstore-keygen` run?)"
+            f"give the workers {AUTH_DIR_VAR}=DIR/worker of the `kvstore-keygen DIR` run whose "
+            f"DIR/server the servers read"
+        )
+    return (
+        f"set {origin.variable} to the job's {file_name}, from the `kvstore-keygen` run (or the "
+        f"launcher) that gave the servers their keys"
+    )
+
+
+def _from(origin: KeyOrigin | None) -> str:
+    return "" if origin is None else f" (from {origin})"
+
+
+def describe_handshake_failure(
+    event: int, value: int, server: str, secured: bool, env: Mapping[str, str] | None = None
+) -> str:
+    """Why a worker's handshake with ``server`` (its rank and address) failed, and what to do,
+    from its socket monitor's ``event`` and ``value``; ``secured``: whether the worker has CURVE
+    keys.
+
+    The text names ``server`` once, and where the worker's keys came from as the user set them
+    (``KVSTORE_AUTH_DIR=PATH`` or a ``KVSTORE_AUTH_*_KEY`` variable), looked up in ``env``
+    (default ``os.environ``, which :func:`kvstore.create` read them from; see
+    :func:`key_origin`)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        if value != _ZAP_DENIED:
+            return f"{server} could not check this worker's keys (ZAP status {value}): see its log"
+        origin = key_origin("client-secret-key", env)
+        return (
+            f"{server} refused this worker's client key{_from(origin)}: it is not the job's; "
+            f"{_worker_key_fix(origin, 'client-secret-key')}"
         )
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _MECHANISM_MISMATCH:
         if secured:
+            origin = key_origin("client-secret-key", env)
             return (
-                f"{server} does not use CURVE keys but this worker does: start the servers "
-                f"with the job's keys ({AUTH_DIR_VAR}), or the workers without"
+                f"{server} does not use CURVE keys but this worker does{_from(origin)}: start "
+                f"the servers with the job's keys ({AUTH_DIR_VAR}=DIR/server), or the workers "
+                f"without"
             )
         return (
-            f"{server} requires the job's CURVE keys: set {AUTH_DIR_VAR} (or the "
-            f"KVSTORE_AUTH_*_KEY variables) for this worker, or start it with kvstore-launch"
+            f"{server} requires the job's CURVE keys and this worker has none: set "
+            f"{AUTH_DIR_VAR}=DIR/worker of the `kvstore-keygen DIR` run whose DIR/server the "
+            f"servers read (or the KVSTORE_AUTH_*_KEY variables), or start it with kvstore-launch"
         )
     if secured:
+        origin = key_origin("server-public-key", env)
         return (
-            f"the CURVE handshake with {server} failed: the server has no keys, or not the "
-            f"secret key of this worker's KVSTORE_AUTH_SERVER_PUBLIC_KEY (another job's server?)"
+            f"the CURVE handshake with {server} failed: this worker's server public key"
+            f"{_from(origin)} is not the server's (keys of another job or another "
+            f"`kvstore-keygen` run), or the server has no keys; "
+            f"{_worker_key_fix(origin, 'server-public-key')}"
         )
     return (
         f"the handshake with {server} failed: it probably requires the job's CURVE keys "

@@ -491,7 +491,9 @@ class Transport:
     def _lost_error(self, server: int, what: str, reason: str) -> KVStoreError:
         """The error of a request ``what`` to a lost server (``reason``: why it is lost)."""
         if server in self._connections.refused:
-            return AuthenticationError(f"{what}: {reason}")
+            # The reason names the server, its address and what to do; the request (the
+            # handshake of kvstore.create, or one queued behind it) adds nothing.
+            return AuthenticationError(reason)
         return ServerLostError(f"{what}: {reason}", server, self.servers[server])
 
     def _server_lost(self, server: int, reason: str) -> None:

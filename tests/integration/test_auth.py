@@ -185,7 +185,7 @@ def test_wrong_or_missing_keys_fail_at_create_naming_the_cause(job_keys, monkeyp
         cases = [
             ({"KVSTORE_AUTH_CLIENT_SECRET_KEY": other.client_secret,
               "KVSTORE_AUTH_CLIENT_PUBLIC_KEY": other.client_public}, address, "refused"),
-            ({"KVSTORE_AUTH_SERVER_PUBLIC_KEY": other.server_public}, address, "not the secret"),
+            ({"KVSTORE_AUTH_SERVER_PUBLIC_KEY": other.server_public}, address, "not the server's"),
             (role_env("worker", None), address, "requires the job's CURVE keys"),
             ({}, plain[0].address, "does not use CURVE keys|has no keys"),
         ]  # fmt: skip

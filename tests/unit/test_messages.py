@@ -1,10 +1,13 @@
 """The texts users read: a misspelled name gets the closest known one suggested, a far-off name
-gets none, and the full list is always there."""
+gets none, and the full list is always there; a failed handshake names where the worker's keys
+came from."""
 
 from __future__ import annotations
 
 import pytest
+import zmq
 
+from kvstore.auth import JobKeys, KeyOrigin, describe_handshake_failure, key_origin
 from kvstore.codecs import codec_from_spec
 from kvstore.errors import CodecError, OptimizerError, close_match, did_you_mean
 from kvstore.optimizer_spec import make_optimizer_spec
@@ -76,3 +79,28 @@ def test_optimizer_names_and_hyperparameters(name, params, text):
     with pytest.raises(OptimizerError) as raised:
         make_optimizer_spec(name, params)
     assert text in str(raised.value)
+
+
+def test_key_origin_follows_the_rule_that_loads_the_keys(tmp_path):
+    JobKeys.generate().write(tmp_path)
+    folder = str(tmp_path / "worker")
+    variable = "KVSTORE_AUTH_SERVER_PUBLIC_KEY"
+    assert str(key_origin("server-public-key", {"KVSTORE_AUTH_DIR": folder})) == (
+        f"KVSTORE_AUTH_DIR={folder}"
+    )
+    both = {"KVSTORE_AUTH_DIR": folder, variable: JobKeys.generate().server_public}
+    assert key_origin("server-public-key", both) == KeyOrigin(variable)  # the variable wins
+    assert key_origin("server-public-key", {"KVSTORE_AUTH_DIR": folder, variable: " "}) == (
+        KeyOrigin("KVSTORE_AUTH_DIR", folder)  # a blank variable counts as unset
+    )
+    # a worker's folder has no server secret key; nothing set: keys handed over in code
+    assert key_origin("server-secret-key", {"KVSTORE_AUTH_DIR": folder}) is None
+    assert key_origin("client-secret-key", {}) is None
+
+
+def test_a_handshake_the_server_could_not_check_is_not_blamed_on_the_keys():
+    where = "server 0 (tcp://node1:9100)"
+    failed = describe_handshake_failure(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 500, where, True, {})
+    assert failed == f"{where} could not check this worker's keys (ZAP status 500): see its log"
+    refused = describe_handshake_failure(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, where, True, {})
+    assert refused.startswith(f"{where} refused this worker's client key: it is not the job's; ")
