@@ -10,13 +10,15 @@ The sequence:
    the launcher's own messages are log records of role ``launch`` in the format every kvstore
    process uses (:data:`kvstore._logging.FORMAT`), shown at ``KVSTORE_LOG_LEVEL`` (INFO by
    default under ``kvstore-launch``);
-4. when all workers exit 0, stop the servers and return 0. When any child fails first (a worker
-   exits non-zero, a server exits at all, or a server never gets ready), say which one, stop all
-   the others, and return its exit code (``128 + signal`` for a child killed by a signal).
+4. when all workers exit 0, stop the servers and return 0. When any child fails first (a
+   worker exits non-zero, a server exits at all, or a server never gets ready), say which one,
+   stop all the others, and return its exit code (``128 + signal`` for a child killed by a
+   signal).
 
-Every child runs in a session of its own and is stopped through its process-group id, which is
-its pid (SIGTERM, then SIGKILL after a grace period): never by name, and its own children (data
-loader processes) go with it.
+A server is stopped through its own shutdown: the launcher asks it on its stdin
+(:meth:`Supervisor.stop_all`). Every child runs in a session of its own, and one that does not
+stop is signalled through its process-group id, which is its pid (SIGTERM, then SIGKILL after a
+grace period): never by name, and its own children (data loader processes) go with it.
 
 A server's stdin is a pipe whose writing end only the launcher holds, and the server runs with
 ``--stop-on-stdin-eof``: if the launcher dies without stopping it (SIGKILL, a crash), the pipe
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
@@ -41,8 +44,7 @@ from typing import IO
 from kvstore import _logging
 from kvstore.auth import JobKeys, role_env
 from kvstore.deploy.backends import Backend
-
-READY_PREFIX = "KVSTORE_READY"
+from kvstore.launch_protocol import READY_PREFIX, STOP_REQUEST
 
 logger = logging.getLogger(__name__)
 _FORMATTER = _logging.formatter("launch")
@@ -58,6 +60,8 @@ class Child:
     ready: threading.Event = field(default_factory=threading.Event)
     address: str | None = None
     threads: list[threading.Thread] = field(default_factory=list)
+    last_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    """The last lines it wrote to stderr, to tell why it failed."""
 
     @property
     def label(self) -> str:
@@ -90,7 +94,7 @@ class Supervisor:
         num_servers: S.
         command: the worker command (argv).
         startup_timeout: seconds to wait for the servers' READY lines.
-        stop_timeout: grace period between SIGTERM and SIGKILL.
+        stop_timeout: grace period of each step of a stop (:meth:`stop_all`).
         server_threads: ``--threads`` of each server (None: the server's default).
         auth: make fresh CURVE keys for the job (:class:`~kvstore.auth.JobKeys`) and give
             servers the server's secret key and workers the client's: only this job's workers
@@ -158,6 +162,8 @@ class Supervisor:
                     child.address = text[len(READY_PREFIX) :].strip()
                     child.ready.set()
                     continue
+            if sink is self._err:
+                child.last_errors.append(line.decode("utf-8", "replace"))
             self._emit(sink, prefix, line)
         source.close()
 
@@ -219,22 +225,69 @@ class Supervisor:
         return argv
 
     def stop_all(self) -> None:
-        """Stop every child still running: SIGTERM to its group, SIGKILL after the grace time."""
+        """Stop every child still running, servers through their own shutdown.
+
+        A server is asked first: the launcher writes :data:`STOP_REQUEST` to its stdin and
+        closes it, and the server stops as it does on SIGTERM. That request reaches it through
+        ``srun`` and ``ssh`` too, which pass stdin on but turn signals into something else
+        (``srun`` answers SIGTERM by killing its tasks with SIGKILL). Workers, still running only
+        when the job failed, get SIGTERM to their group. Whatever still runs after
+        ``stop_timeout`` gets SIGTERM (if it was only asked) and then, after ``stop_timeout``
+        more, SIGKILL.
+        """
         running = [c for c in self.children if c.process.poll() is None]
+        asked = [c for c in running if self._ask_to_stop(c)]
         for child in running:
-            self._signal(child, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout
-        for child in running:
+            if child not in asked:
+                self._signal(child, signal.SIGTERM)
+        late = self._wait_for(running, self.stop_timeout)
+        for child in late:
+            if child in asked:
+                self._signal(child, signal.SIGTERM)
+        for child in self._wait_for([c for c in late if c in asked], self.stop_timeout):
+            self._signal(child, signal.SIGKILL)
+            child.process.wait()
+        for child in self.children:
+            if child.process.poll() is None:  # (a worker that ignored SIGTERM)
+                self._signal(child, signal.SIGKILL)
+                child.process.wait()
+            for thread in child.threads:
+                thread.join(timeout=5.0)
+            if child.process.stdin is not None and not child.process.stdin.closed:
+                child.process.stdin.close()
+
+    @staticmethod
+    def _ask_to_stop(child: Child) -> bool:
+        """Ask a server to stop through its stdin; False if it cannot be asked (not a server,
+        or its stdin is already gone)."""
+        stdin = child.process.stdin
+        if child.role != "server" or stdin is None or stdin.closed:
+            return False
+        try:
+            stdin.write(STOP_REQUEST)
+            stdin.close()
+        except (BrokenPipeError, OSError):
+            return False
+        return True
+
+    @staticmethod
+    def _wait_for(children: list[Child], timeout: float) -> list[Child]:
+        """Wait until ``children`` exit or ``timeout`` passes; the ones still running."""
+        deadline = time.monotonic() + timeout
+        late = []
+        for child in children:
             try:
                 child.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._signal(child, signal.SIGKILL)
-                child.process.wait()
-        for child in self.children:
-            for thread in child.threads:
-                thread.join(timeout=5.0)
-            if child.process.stdin is not None and child.process.poll() is not None:
-                child.process.stdin.close()
+                late.append(child)
+        return late
+
+    def _why_it_failed(self, child: Child) -> str:
+        """``": REASON"`` when the backend recognises why ``child`` failed to start, else ""."""
+        reason = self.backend.explain_start_failure(
+            child.role, child.rank, child.process.returncode, "".join(child.last_errors)
+        )
+        return f": {reason}" if reason else ""
 
     @staticmethod
     def _signal(child: Child, sig: int) -> None:
@@ -309,7 +362,10 @@ class Supervisor:
                     # Let its output arrive before saying why it failed.
                     for thread in server.threads:
                         thread.join(timeout=2.0)
-                    self.say(f"{server.label} {server.describe_exit()} before it was ready")
+                    self.say(
+                        f"{server.label} {server.describe_exit()} before it was ready"
+                        + self._why_it_failed(server)
+                    )
                     return exit_status(server.process.returncode) or 1
             if all(s.ready.is_set() for s in servers):
                 return None
@@ -328,7 +384,12 @@ class Supervisor:
             for worker in workers:
                 code = worker.process.poll()
                 if code is not None and code != 0:
-                    self.say(f"{worker.label} {worker.describe_exit()}; stopping the others")
+                    for thread in worker.threads:  # its last words, to say why
+                        thread.join(timeout=2.0)
+                    self.say(
+                        f"{worker.label} {worker.describe_exit()}{self._why_it_failed(worker)}; "
+                        f"stopping the others"
+                    )
                     return exit_status(code)
             for server in servers:
                 if server.process.poll() is not None:

@@ -25,9 +25,8 @@ from kvstore import _logging
 from kvstore._malloc import tune_malloc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
+from kvstore.launch_protocol import READY_PREFIX, STOP_REQUEST
 from kvstore.server.server import ShardServer
-
-READY_PREFIX = "KVSTORE_READY"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
@@ -80,8 +79,10 @@ def parse_command_line(argv: Sequence[str] | None = None) -> tuple[ServerConfig,
 
 
 def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """Set ``stop`` when stdin reaches end of file (its writer, the launcher, is gone)."""
+    """Set ``stop`` when stdin reaches end of file: after :data:`STOP_REQUEST`, the launcher
+    stopping its job; without it, its writer (the launcher) is gone."""
     fd = 0  # (not sys.stdin, which may hold a buffered read of it)
+    received = bytearray()
 
     def readable() -> None:
         try:
@@ -90,12 +91,17 @@ def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
             return
         except OSError:
             data = b""
-        if not data:
-            loop.remove_reader(fd)
-            logging.getLogger("kvstore.server").warning(
-                "stdin closed: the launcher that started this server is gone; stopping"
-            )
-            stop.set()
+        if data:
+            # (the request is all a launcher writes; anything longer is kept no further)
+            received.extend(data[: max(0, len(STOP_REQUEST) - len(received))])
+            return
+        loop.remove_reader(fd)
+        log = logging.getLogger("kvstore.server")
+        if received.startswith(STOP_REQUEST):
+            log.info("the launcher asked this server to stop: the job is done")
+        else:
+            log.warning("stdin closed: the launcher that started this server is gone; stopping")
+        stop.set()
 
     os.set_blocking(fd, False)
     loop.add_reader(fd, readable)
