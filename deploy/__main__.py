@@ -33,51 +33,92 @@ from kvstore.deploy.backends import (
 from kvstore.deploy.supervisor import Supervisor
 from kvstore.errors import ConfigError
 
+EPILOG = """\
+launchers:
+  local   every process on this machine
+  ssh     each process on a host of -H HOSTFILE through ssh (servers on the first S hosts,
+          then workers, cycling); remote processes run this launcher's interpreter by its path
+          (or --python) with its directory first on PATH, in this working directory
+  slurm   inside an allocation (sbatch, salloc): each process is a job step (srun) on the
+          allocation's nodes, placed as with ssh
+
+environment:
+  KVSTORE_LOG_LEVEL   the launcher's and its processes' log level (default here: INFO)
+  KVSTORE_AUTH=0      the same as --no-auth
+  KVSTORE_*           the other KVSTORE_ variables reach servers and workers (but credentials:
+                      each job gets keys of its own)
+
+example:
+  kvstore-launch -n 2 -s 2 -- python3 examples/mnist/train.py --epochs 3
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstore-launch",
-        description="Start S kvstore servers and N copies of COMMAND as workers.",
-        epilog="Example: kvstore-launch -n 2 -s 2 -- python train.py --epochs 3",
+        description="Start S kvstore servers and N copies of COMMAND as workers, and supervise\n"
+        "them: when one fails, the others are stopped and the launcher exits with its code.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-n", "--num-workers", type=int, required=True, help="workers N")
+    parser.add_argument("-n", "--num-workers", type=int, required=True, help="workers N (required)")
     parser.add_argument(
         "-s", "--num-servers", type=int, default=None, help="servers S (default: N)"
     )
-    parser.add_argument("--launcher", choices=("local", "ssh", "slurm"), default="local")
-    parser.add_argument("-H", "--hostfile", help="hosts for the ssh launcher, one per line")
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "ssh", "slurm"),
+        default="local",
+        help="where processes run, see below (default: local)",
+    )
+    parser.add_argument(
+        "-H", "--hostfile", help="(ssh) hosts, one per line; required with --launcher ssh"
+    )
     parser.add_argument(
         "--host",
         default=None,
-        help="(local, slurm) address servers bind: local default 127.0.0.1; slurm default "
-        "0.0.0.0 on each node, where workers connect to NODE:PORT",
+        help="(local, slurm) address servers bind (default: 127.0.0.1 for local; 0.0.0.0 on "
+        "each node for slurm, where workers connect to NODE:PORT)",
     )
-    parser.add_argument("--server-threads", type=int, default=None, help="threads per server")
     parser.add_argument(
-        "--startup-timeout", type=float, default=60.0, help="seconds to wait for servers"
+        "--server-threads",
+        type=int,
+        default=None,
+        help="threads per server (default: KVSTORE_SERVER_THREADS, else min(4, CPUs))",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the servers to be ready (default: %(default)s)",
     )
     parser.add_argument(
         "--env",
         action="append",
         default=[],
         metavar="VAR",
-        help="(ssh) pass this local environment variable on to remote processes",
+        help="(ssh) pass this local environment variable on to remote processes; repeatable "
+        "(default: only KVSTORE_* variables)",
     )
     parser.add_argument(
         "--python",
         default=None,
-        help="(ssh, slurm) interpreter on the hosts (ssh default python3, slurm default this one)",
+        help=f"(ssh, slurm) interpreter that runs the servers on the hosts (default: this "
+        f"launcher's, {sys.executable})",
     )
     parser.add_argument(
-        "--ssh-command", default="ssh -o BatchMode=yes", help="(ssh) ssh client and options"
+        "--ssh-command",
+        default="ssh -o BatchMode=yes",
+        help="(ssh) ssh client and its options (default: %(default)s)",
     )
     parser.add_argument(
         "--no-auth",
         action="store_true",
         help="start the job without CURVE keys (also KVSTORE_AUTH=0): servers then accept "
-        "any process that reaches them, unencrypted; for trusted networks only",
+        "any process that reaches them, unencrypted; for trusted networks only (default: "
+        "fresh keys for every job)",
     )
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     return parser
 
 
@@ -111,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 read_hostfile(args.hostfile),
                 num_servers=num_servers,
                 ssh_command=args.ssh_command.split(),
-                python=args.python or "python3",
+                python=args.python,
                 forward_env=args.env,
             )
         elif args.launcher == "slurm":

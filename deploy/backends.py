@@ -57,6 +57,26 @@ class Backend(ABC):
     def server_python(self) -> str:
         """The Python interpreter that runs ``-m kvstore.server`` where servers run."""
 
+    def where(self, role: str, rank: int) -> str:
+        """Where ``role`` ``rank`` runs, for messages (``on host h1``; empty here)."""
+        return ""
+
+    def start_hint(self) -> str:
+        """How to give the processes an interpreter that has kvstore, for messages."""
+        return "install the package in the interpreter that runs the servers"
+
+    def explain_start_failure(self, role: str, rank: int, code: int | None, stderr: str) -> str:
+        """Why ``role`` ``rank`` could not start, from its exit code and the end of its stderr,
+        when that is one of the usual causes; empty otherwise."""
+        where = self.where(role, rank)
+        where = f" {where}" if where else ""
+        python = self.server_python() if role == "server" else "the worker command"
+        if "No module named 'kvstore" in stderr or "No module named kvstore" in stderr:
+            return f"{python}{where} cannot import kvstore: {self.start_hint()}"
+        if code == 127:  # (the shell's "command not found")
+            return f"{python} was not found{where}: {self.start_hint()}"
+        return ""
+
     @abstractmethod
     def child(
         self, role: str, rank: int, argv: Sequence[str], env: Mapping[str, str]
@@ -123,10 +143,18 @@ class SSHBackend(Backend):
     e.g. a shared file system), with the job variables and those named by ``forward_env``; the
     secret keys of the job's credentials go over ssh's stdin instead of the command line.
 
+    The remote shell of ``ssh host command`` is not a login shell: its ``PATH`` is the system's,
+    where ``python3`` is not the environment kvstore was installed in. So servers run
+    ``python`` (default: the launcher's own interpreter, by its path), and every remote command
+    gets that interpreter's directory first on its ``PATH``, so that ``python3`` and console
+    scripts in the worker command are the same environment's: hosts need that environment at
+    the same path (a shared file system, or the same virtualenv path everywhere). Forwarding
+    ``PATH`` itself (``forward_env``) replaces that rule.
+
     Args:
         hosts: host names.
         ssh_command: the ssh client and its options.
-        python: the interpreter on the hosts.
+        python: the interpreter on the hosts (None: this one's path).
         forward_env: names of local variables to pass on (``KVSTORE_*`` always are).
         num_servers: S, to place workers after servers.
     """
@@ -139,7 +167,7 @@ class SSHBackend(Backend):
         *,
         num_servers: int,
         ssh_command: Sequence[str] = ("ssh", "-o", "BatchMode=yes"),
-        python: str = "python3",
+        python: str | None = None,
         forward_env: Sequence[str] = (),
     ) -> None:
         if not hosts:
@@ -147,7 +175,7 @@ class SSHBackend(Backend):
         self.hosts = list(hosts)
         self.num_servers = num_servers
         self.ssh_command = list(ssh_command)
-        self.python = python
+        self.python = python or sys.executable
         self.forward_env = list(forward_env)
 
     def _host(self, role: str, rank: int) -> str:
@@ -158,6 +186,16 @@ class SSHBackend(Backend):
 
     def server_python(self) -> str:
         return self.python
+
+    def where(self, role: str, rank: int) -> str:
+        return f"on host {self._host(role, rank)}"
+
+    def start_hint(self) -> str:
+        return (
+            "the ssh launcher runs the launcher's own interpreter on every host, by its path; "
+            "install the same environment at the same path there (or a shared file system), "
+            "or give --python the interpreter that has kvstore on the hosts"
+        )
 
     def child(
         self, role: str, rank: int, argv: Sequence[str], env: Mapping[str, str]
@@ -174,6 +212,11 @@ class SSHBackend(Backend):
         for name in SECRET_VARS:
             remote_env.pop(name, None)
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(remote_env.items()))
+        if "PATH" not in remote_env:
+            # The interpreter's directory first on the remote PATH ("$PATH": the remote one).
+            bin_dir = os.path.dirname(self.python)
+            if bin_dir:
+                exports = f'PATH={shlex.quote(bin_dir)}:"$PATH" {exports}'
         command = " ".join(shlex.quote(a) for a in argv)
         run = f"env {exports} {command}"
         stdin = None
@@ -282,6 +325,16 @@ class SlurmBackend(Backend):
 
     def server_python(self) -> str:
         return self.python
+
+    def where(self, role: str, rank: int) -> str:
+        return f"on node {self.node(role, rank)}"
+
+    def start_hint(self) -> str:
+        return (
+            "the slurm launcher runs the launcher's own interpreter on every node, by its path; "
+            "keep the environment on a file system the nodes share, or give --python the "
+            "interpreter that has kvstore on the nodes"
+        )
 
     def child(
         self, role: str, rank: int, argv: Sequence[str], env: Mapping[str, str]

@@ -170,3 +170,80 @@ def test_ssh_launcher_end_to_end_through_a_stand_in_ssh(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "[worker 0] sum 2.0" in result.stdout and "[worker 1] sum 2.0" in result.stdout
+
+
+def test_servers_stop_through_their_own_shutdown_when_the_job_is_done():
+    """The launcher asks each server to stop on its stdin (which srun and ssh pass on, unlike
+    signals): the server says so and exits 0, not killed and not 'launcher gone'."""
+    result = launch("-n", "1", "-s", "2", "--no-auth", "--", PY, "-c", "print('ok')")
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        assert f"[server {rank}] " in result.stderr
+    assert result.stderr.count("the launcher asked this server to stop") == 2, result.stderr
+    assert "stdin closed" not in result.stderr and "Killed" not in result.stderr
+
+
+def _stand_in_ssh(tmp_path: Path) -> Path:
+    """An ssh that runs the remote command here as sshd would: in a non-login shell whose
+    PATH is the system's, with none of the launcher's environment."""
+    fake_ssh = tmp_path / "fake-ssh"
+    fake_ssh.write_text(
+        '#!/bin/bash\nshift\nexec env -i HOME="$HOME" PATH=/usr/bin:/bin bash -c "$1"\n'
+    )
+    fake_ssh.chmod(0o755)
+    return fake_ssh
+
+
+SSH_WORKER = (
+    "import sys, numpy as np, kvstore\n"
+    "kv = kvstore.create('dist_sync')\n"
+    "kv.init('w', np.zeros(4, np.float32)); kv.push('w', np.ones(4, np.float32))\n"
+    "out = np.empty(4, np.float32); kv.pull('w', out=out)\n"
+    "print('sum', out[0], sys.executable); kv.close()\n"
+)
+
+
+def test_ssh_runs_the_launchers_interpreter_where_the_remote_path_is_the_systems(tmp_path):
+    """The documented command, `-- python3 train.py` without --python, works for a user whose
+    package lives in a virtualenv (here: this interpreter's prefix), because servers run this
+    interpreter by its path and remote commands get its directory first on PATH."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\n")
+    python3 = Path(PY).parent / "python3"
+    if not python3.exists():
+        pytest.skip(f"no python3 beside {PY}")
+    result = launch(
+        "-n", "1", "-s", "1", "--launcher", "ssh", "-H", str(hostfile),
+        "--ssh-command", str(_stand_in_ssh(tmp_path)), "--", "python3", "-c", SSH_WORKER,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("[worker 0] sum "))
+    assert line.split()[3] == "1.0"
+    assert Path(line.split()[4]).parent == Path(PY).parent
+
+
+def test_ssh_names_a_missing_interpreter_and_one_without_kvstore(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\n")
+    ssh = str(_stand_in_ssh(tmp_path))
+    missing = str(tmp_path / "venv" / "bin" / "python3")
+    result = launch(
+        "-n", "1", "--launcher", "ssh", "-H", str(hostfile), "--ssh-command", ssh,
+        "--python", missing, "--", "python3", "-c", "pass",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert f"{missing} was not found on host 127.0.0.1" in result.stderr, result.stderr
+    assert "--python" in result.stderr
+    # A real interpreter without the package: the system's, where it lacks kvstore.
+    system = "/usr/bin/python3"
+    if (
+        not Path(system).exists()
+        or subprocess.run([system, "-c", "import kvstore"]).returncode == 0
+    ):
+        return
+    result = launch(
+        "-n", "1", "--launcher", "ssh", "-H", str(hostfile), "--ssh-command", ssh,
+        "--python", system, "--", "python3", "-c", "pass",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert f"{system} on host 127.0.0.1 cannot import kvstore" in result.stderr, result.stderr
