@@ -10,9 +10,10 @@ timeout.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Sequence
 
-from kvstore.errors import ConnectionLostError, KVStoreError, KVStoreTimeoutError
+from kvstore.errors import ConfigError, ConnectionLostError, KVStoreError, KVStoreTimeoutError
 from kvstore.wire import LANE_CONTROL, LANE_DATA, ByeFields, HelloFields
 from kvstore.worker.request import Deadline, Request, wait_all
 from kvstore.worker.store_state import StoreState
@@ -26,9 +27,11 @@ def handshake(store: StoreState, servers: Sequence[str]) -> None:
     ``KVSTORE_CONNECT_TIMEOUT``.
 
     Raises:
+        ConfigError: a server's host name does not resolve here.
         ConnectionLostError: a server did not answer.
         KVStoreError: a server refused this worker (the server's error).
     """
+    check_host_names(servers)
     transport = store.transport
     timeout = store.options.connect_timeout
     requests = [
@@ -63,6 +66,31 @@ def handshake(store: StoreState, servers: Sequence[str]) -> None:
     except KVStoreError:
         _leave_after_refusal(transport, requests)
         raise
+
+
+def check_host_names(servers: Sequence[str]) -> None:
+    """Raise ``ConfigError`` if the host name of a ``tcp://`` address does not resolve here.
+
+    ZeroMQ resolves a name when it connects and, when that fails, retries in silence, so
+    without this a worker given a name its resolver does not know (a Slurm node name outside
+    the cluster's DNS, a typo) would wait out ``KVSTORE_CONNECT_TIMEOUT`` and then blame the
+    server. A temporary failure of the resolver (``EAI_AGAIN``) is left to those retries.
+    """
+    for rank, address in enumerate(servers):
+        if not address.startswith("tcp://"):
+            continue
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        host = host.strip("[]")  # (an IPv6 literal)
+        try:
+            socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            if exc.errno == socket.EAI_AGAIN:
+                continue
+            raise ConfigError(
+                f"server {rank} ({address}, from KVSTORE_SERVERS): the host name {host!r} does "
+                f"not resolve on this machine ({exc.strerror}); give the servers' addresses as "
+                f"names this host can look up (its /etc/hosts or DNS) or as IP addresses"
+            ) from None
 
 
 def _leave_after_refusal(transport: Transport, hellos: list[Request]) -> None:

@@ -419,3 +419,14 @@ def test_close_is_idempotent_and_final(one_server):
         pass
     with pytest.raises(kvstore.UsageError):
         local.barrier()
+
+
+def test_a_server_host_name_that_does_not_resolve_is_named_at_once(one_server):
+    """ZeroMQ retries a failed name lookup in silence; the worker says what is wrong instead
+    of waiting out its connect timeout (".invalid" never resolves: RFC 2606)."""
+    servers = f"{one_server},tcp://no-such-node.invalid:9100"
+    with pytest.raises(kvstore.ConfigError) as caught:  # (not ConnectionLostError, 300 s later)
+        kvstore.create("dist_sync", servers=servers, rank=0, num_workers=1, connect_timeout=300)
+    message = str(caught.value)
+    assert "server 1 (tcp://no-such-node.invalid:9100" in message
+    assert "'no-such-node.invalid' does not resolve" in message
