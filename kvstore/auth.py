@@ -465,28 +465,51 @@ class ZapHandler:
 # kvstore-keygen ------------------------------------------------------------------------------
 
 
+_ROLE_COMMANDS = {"server": "kvstore-server ...", "worker": "python train.py"}
+
+
+def credentials_help(roles: Sequence[str] = ("server", "worker")) -> str:
+    """How a process of each of ``roles`` gets the job's keys, in lines for a command's
+    ``--help`` (``kvstore-keygen``, ``kvstore-server``): the ``KVSTORE_AUTH_DIR`` folder that
+    ``kvstore-keygen DIR`` writes, or the variables that hold the keys themselves."""
+    lines = ["credentials (a key's variable wins over its file in KVSTORE_AUTH_DIR):"]
+    for role in roles:
+        secret, public, peer = ROLE_FILES[role]
+        keys = f"{AUTH_KEY_FILES[secret]} and {AUTH_KEY_FILES[peer]}"
+        lines += [
+            f"  {role}s: {AUTH_DIR_VAR}=DIR/{role} {_ROLE_COMMANDS[role]}",
+            f"       or: {keys}",
+            f"           ({AUTH_KEY_FILES[public]} optional: checked against the secret key)",
+        ]
+    lines.append("  a server without keys accepts any worker (it logs a warning saying so)")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstore-keygen",
-        description="Make the CURVE keys of one kvstore job started by hand (kvstore-launch "
-        "makes its own for every job).",
-        epilog="Then: KVSTORE_AUTH_DIR=DIR/server kvstore-server ...; "
-        "KVSTORE_AUTH_DIR=DIR/worker python train.py",
+        description="Make the CURVE keys of one kvstore job started by hand\n"
+        "(kvstore-launch makes its own for every job).",
+        epilog=credentials_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "directory",
         nargs="?",
+        metavar="DIR",
         help="write DIR/server (for servers) and DIR/worker (for workers), mode 0700, one key "
         "per file, mode 0600",
     )
     what.add_argument(
         "--k8s-secret",
         metavar="NAME",
-        help="print a Kubernetes Secret manifest NAME with the four keys instead (e.g. "
-        "`kvstore-keygen --k8s-secret pskv-job-keys | kubectl apply -f -`)",
+        help="print a Kubernetes Secret manifest NAME with the four keys instead of writing "
+        "files (e.g. `kvstore-keygen --k8s-secret pskv-job-keys | kubectl apply -f -`)",
     )
-    parser.add_argument("--force", action="store_true", help="replace existing key files")
+    parser.add_argument(
+        "--force", action="store_true", help="replace existing key files (default: refuse)"
+    )
     return parser
 
 

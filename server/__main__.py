@@ -1,6 +1,9 @@
 """``kvstore-server``: run one shard server until SIGTERM or SIGINT.
 
-Once bound it prints exactly one line, ``KVSTORE_READY tcp://HOST:PORT``, on stdout. With
+Once bound it prints exactly one line on stdout (:func:`ready_line`): ``KVSTORE_READY
+tcp://HOST:PORT`` where stdout is not a terminal (a launcher reads it from a pipe), a sentence
+with the same address at a terminal; HOST is the host's name for a server bound to every
+interface (``--host 0.0.0.0``). With
 ``--stop-on-stdin-eof`` (``kvstore-launch`` passes it, with a pipe that only it holds open as
 stdin) it also stops when its stdin reaches end of file: when the launcher is gone, even killed
 with SIGKILL, its servers do not run on as orphans. With
@@ -19,11 +22,14 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from kvstore import _logging
 from kvstore._malloc import tune_malloc
-from kvstore.config import ServerConfig
+from kvstore.auth import credentials_help
+from kvstore.config import AUTH_VARS, ServerConfig
+from kvstore.envvars import ENV_VARS
 from kvstore.errors import ConfigError
 from kvstore.launch_protocol import READY_PREFIX, STOP_REQUEST
 from kvstore.server.server import ShardServer
@@ -33,35 +39,86 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     return parse_command_line(argv)[0]
 
 
-def parse_command_line(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
-    """The server's settings, and whether it stops when its stdin reaches end of file."""
+HELP_WIDTH = 79
+"""Width of the lines of ``--help``'s variable list."""
+
+
+def _environment_help() -> str:
+    """The variables a server reads besides its keys, with their defaults, from the table that
+    docs/operations.md documents (:data:`kvstore.envvars.ENV_VARS`)."""
+    lines = ["environment (docs/operations.md describes each variable):"]
+    for var in ENV_VARS:
+        if "server" in var.role and var.name not in AUTH_VARS:
+            text = f"{var.type}; default: {var.default}"
+            lines += textwrap.wrap(
+                text, HELP_WIDTH, initial_indent=f"  {var.name:<27} ", subsequent_indent=" " * 30
+            )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``kvstore-server``'s command line; its ``--help`` gives every default, how to give the
+    server the job's keys and the variables it reads."""
     parser = argparse.ArgumentParser(
-        prog="kvstore-server", description="Run one kvstore shard server."
+        prog="kvstore-server",
+        description="Run one kvstore shard server until SIGTERM or SIGINT.\n"
+        "Once it serves, it prints where workers reach it on stdout: a sentence at a\n"
+        f"terminal, else (a pipe, which a launcher or a script reads) `{READY_PREFIX} ADDRESS`.",
+        epilog=f"{credentials_help(('server',))}\n\n{_environment_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one")
-    parser.add_argument("--server-rank", type=int, default=0, help="this server's rank I")
-    parser.add_argument("--num-servers", type=int, default=1, help="number of servers S")
-    parser.add_argument("--num-workers", type=int, required=True, help="number of workers N")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to bind: an address or a host name; 0.0.0.0 binds every interface and "
+        "gives workers this host's name (default: %(default)s)",
+    )
+    parser.add_argument("--port", type=int, default=0, help="TCP port (default: 0, a free port)")
+    parser.add_argument(
+        "--server-rank",
+        type=int,
+        default=0,
+        metavar="I",
+        help="this server's rank I (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-servers",
+        type=int,
+        default=1,
+        metavar="S",
+        help="number of servers S (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-workers", type=int, required=True, metavar="N", help="number of workers N (required)"
+    )
     parser.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="decode/aggregate/optimizer threads (default: KVSTORE_SERVER_THREADS or min(4, CPUs))",
+        metavar="T",
+        help="decode/aggregate/optimizer threads (default: KVSTORE_SERVER_THREADS, else "
+        "min(4, CPUs))",
     )
     parser.add_argument(
         "--max-message-bytes",
         type=int,
         default=None,
-        help="largest frame accepted (default: KVSTORE_MAX_MESSAGE_BYTES, or the largest chunk "
-        "of KVSTORE_PARTITION_BYTES)",
+        metavar="BYTES",
+        help="largest frame accepted (default: KVSTORE_MAX_MESSAGE_BYTES, else the largest "
+        "chunk of KVSTORE_PARTITION_BYTES)",
     )
     parser.add_argument(
         "--stop-on-stdin-eof",
         action="store_true",
         help="stop when stdin reaches end of file (kvstore-launch passes a pipe that it "
-        "holds: its servers stop when it is gone)",
+        "holds: its servers stop when it is gone; default: off)",
     )
+    return parser
+
+
+def parse_command_line(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
+    """The server's settings, and whether it stops when its stdin reaches end of file."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return ServerConfig.from_env(
@@ -107,6 +164,22 @@ def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
     loop.add_reader(fd, readable)
 
 
+def ready_line(config: ServerConfig, address: str, terminal: bool) -> str:
+    """What a server that serves at ``address`` prints on stdout: for a program reading a pipe
+    (``terminal`` False: a launcher, a script, a test), the line ``KVSTORE_READY ADDRESS``; for
+    a person at a terminal, a sentence saying how workers reach it."""
+    if not terminal:
+        return f"{READY_PREFIX} {address}"
+    rank, servers = config.server_rank, config.num_servers
+    where = f"kvstore-server: server {rank}/{servers} ready at {address}; "
+    if servers == 1:
+        return f"{where}start the workers with KVSTORE_SERVERS={address}"
+    return (
+        f"{where}the workers' KVSTORE_SERVERS lists the {servers} servers' addresses in rank "
+        f"order, this one at position {rank} (counting from 0)"
+    )
+
+
 async def serve(config: ServerConfig, *, stop_on_stdin_eof: bool = False) -> int:
     """Serve until SIGTERM/SIGINT (or, with ``stop_on_stdin_eof``, until stdin is closed);
     print the READY line once bound."""
@@ -128,7 +201,7 @@ async def serve(config: ServerConfig, *, stop_on_stdin_eof: bool = False) -> int
     # it serves. Reference counting still frees frozen objects; only the cyclic collector skips
     # them.
     gc.freeze()
-    print(f"{READY_PREFIX} {address}", flush=True)
+    print(ready_line(config, address, sys.stdout.isatty()), flush=True)
     try:
         await stop.wait()
     finally:

@@ -84,6 +84,24 @@ The server drains its socket whenever it is readable, so a legitimate worker's p
 only while the server is busy, and 16 chunks are more work than one drain does."""
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "", "::"})
+"""``--host`` values that bind every interface: no worker can connect to them."""
+
+
+def worker_address(host: str, port: int) -> str:
+    """The address workers connect to, for a server bound to ``host`` and ``port``: where
+    ``host`` is a wildcard (:data:`WILDCARD_HOSTS`), the host's name (``socket.gethostname()``,
+    what Slurm and most schedulers call a node) instead, which a worker on another host can
+    resolve (``socket.getfqdn()`` often gives ``localhost`` on cluster nodes)."""
+    shown = socket.gethostname() if host in WILDCARD_HOSTS else _in_brackets(host)
+    return f"tcp://{shown}:{port}"
+
+
+def _in_brackets(host: str) -> str:
+    """``host`` as a ZeroMQ TCP endpoint writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 class ShardServer:
     """One shard server.
 
@@ -165,12 +183,11 @@ class ShardServer:
                 sock.bind(cfg.bind)
                 self.address = cfg.bind
             else:
-                endpoint = f"tcp://{cfg.host}:{cfg.port}" if cfg.port else f"tcp://{cfg.host}:0"
-                sock.bind(endpoint)
+                if ":" in cfg.host:  # an IPv6 address (``::``: every interface)
+                    sock.setsockopt(zmq.IPV6, 1)
+                sock.bind(f"tcp://{_in_brackets(cfg.host)}:{cfg.port}")
                 bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-                port = int(bound.rsplit(":", 1)[1])
-                host = cfg.host if cfg.host not in ("0.0.0.0", "*", "") else socket.getfqdn()
-                self.address = f"tcp://{host}:{port}"
+                self.address = worker_address(cfg.host, int(bound.rsplit(":", 1)[1]))
         except (zmq.ZMQError, OSError, ConfigError) as exc:
             sock.close(0)
             self._close_metrics()
@@ -189,11 +206,12 @@ class ShardServer:
         self._schedule_drain()  # messages may have arrived before the reader was added
         self._membership.start(self._loop)
         logger.info(
-            "server %d/%d serving %d worker(s) on %s with %d thread(s)",
+            "server %d/%d serving %d worker(s) on %s%s with %d thread(s)",
             cfg.server_rank,
             cfg.num_servers,
             cfg.num_workers,
             self.address,
+            " (every interface)" if cfg.bind is None and cfg.host in WILDCARD_HOSTS else "",
             cfg.threads,
         )
         if self._zap is not None:

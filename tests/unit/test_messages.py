@@ -1,6 +1,6 @@
 """The texts users read: a misspelled name gets the closest known one suggested, a far-off name
 gets none, and the full list is always there; a failed handshake names where the worker's keys
-came from."""
+came from; the servers' start-up line and the commands' help."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import pytest
 import zmq
 
 from kvstore.auth import JobKeys, KeyOrigin, describe_handshake_failure, key_origin
+from kvstore.auth import build_parser as keygen_parser
 from kvstore.codecs import codec_from_spec
+from kvstore.config import ServerConfig
 from kvstore.errors import CodecError, OptimizerError, close_match, did_you_mean
 from kvstore.optimizer_spec import make_optimizer_spec
+from kvstore.server.__main__ import ready_line
 
 
 def test_close_match_ignores_case_and_refuses_far_off_names():
@@ -104,3 +107,41 @@ def test_a_handshake_the_server_could_not_check_is_not_blamed_on_the_keys():
     assert failed == f"{where} could not check this worker's keys (ZAP status 500): see its log"
     refused = describe_handshake_failure(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, where, True, {})
     assert refused.startswith(f"{where} refused this worker's client key: it is not the job's; ")
+
+
+def test_keygen_help_says_how_each_role_gets_its_keys():
+    text = keygen_parser().format_help()
+    for shown in (
+        "KVSTORE_AUTH_DIR=DIR/server kvstore-server",
+        "KVSTORE_AUTH_DIR=DIR/worker python train.py",
+        "KVSTORE_AUTH_SERVER_SECRET_KEY and KVSTORE_AUTH_CLIENT_PUBLIC_KEY",
+        "KVSTORE_AUTH_CLIENT_SECRET_KEY and KVSTORE_AUTH_SERVER_PUBLIC_KEY",
+        "(default: refuse)",
+    ):
+        assert shown in text, shown
+
+
+@pytest.mark.parametrize(
+    "rank, servers, terminal, line",
+    [
+        (0, 1, False, "KVSTORE_READY tcp://node1:9100"),
+        (
+            0,
+            1,
+            True,
+            "kvstore-server: server 0/1 ready at tcp://node1:9100; start the workers with "
+            "KVSTORE_SERVERS=tcp://node1:9100",
+        ),
+        (
+            1,
+            2,
+            True,
+            "kvstore-server: server 1/2 ready at tcp://node1:9100; the workers' KVSTORE_SERVERS "
+            "lists the 2 servers' addresses in rank order, this one at position 1 (counting "
+            "from 0)",
+        ),
+    ],
+)
+def test_the_ready_line_is_for_programs_and_the_sentence_for_people(rank, servers, terminal, line):
+    config = ServerConfig(server_rank=rank, num_servers=servers, num_workers=2)
+    assert ready_line(config, "tcp://node1:9100", terminal) == line
