@@ -14,7 +14,10 @@ its mean (momentum after aggregation, on the workers). Run it under the launcher
     kvstore-launch -n 2 -s 1 -- python examples/mnist/train.py --model cnn \\
         --compression topk:ratio=0.01 --optimizer local --lr 0.05 --momentum 0.9
 
-Without the launcher's environment it runs alone in ``local`` mode. On a terminal, worker 0
+Without the launcher's environment (``KVSTORE_SERVERS`` not set) it trains alone in ``local``
+mode, and says so on stderr. Worker 0 also says on stderr when this run compiles the codec's
+and optimizer's numba kernels (a first run on a machine: later runs load them from numba's
+cache), which makes the first epoch a few seconds longer. On a terminal, worker 0
 shows a progress bar over each epoch's steps (``--no-progress`` turns it off; it is off anyway
 when the output goes to a pipe or file, as under the launcher, so logs hold only the lines
 below). ``--plot PATH`` has worker 0 write a PNG of test accuracy and loss after each epoch,
@@ -28,6 +31,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -41,6 +45,7 @@ import kvstore
 import kvstore.torch as kvt
 from kvstore.codecs import codec_from_spec
 from kvstore.codecs.pulled import pull_codec_from_spec
+from kvstore.compile_notice import compile_notice
 from kvstore.errors import CodecError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # when imported from elsewhere too
@@ -262,6 +267,31 @@ def show_progress(args: argparse.Namespace, rank: int) -> bool:
     return rank == 0 and not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
 
 
+def job_mode(args: argparse.Namespace) -> str:
+    """``args.mode`` where the launcher's variables are set; else ``local``, said on stderr
+    with the command that trains with 2 workers and 2 servers instead."""
+    if "KVSTORE_SERVERS" in os.environ:
+        return args.mode
+    command = shlex.join(["kvstore-launch", "-n", "2", "-s", "2", "--", "python3", *sys.argv])
+    print(
+        "KVSTORE_SERVERS is not set: training alone in local mode (one worker and an "
+        f"in-process server); to train with 2 workers and 2 servers: {command}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return "local"
+
+
+def say_if_compiling(args: argparse.Namespace) -> None:
+    """Say on stderr, before training, when this run compiles kernels that numba's cache does
+    not hold yet (its first steps take seconds longer): the codecs' and, with ``--optimizer
+    server``, the servers' SGD."""
+    optimizer = "sgd" if args.optimizer == "server" else None
+    notice = compile_notice([args.codec, args.pull_codec], optimizer)
+    if notice is not None:
+        print(notice, file=sys.stderr, flush=True)
+
+
 def open_json(target: str | None) -> TextIO | None:
     if target is None:
         return None
@@ -273,10 +303,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # one core per worker: several workers share the machine
     device = torch.device(args.device)
-    mode = args.mode if "KVSTORE_SERVERS" in os.environ else "local"
+    mode = job_mode(args)
     kv = kvstore.create(mode)
     kv.set_pull_compression(args.pull_codec)  # before any key is initialised
     rank, workers = kv.rank, kv.num_workers
+    if rank == 0:  # before the first init: no process of the job has compiled anything yet
+        say_if_compiling(args)
     train_x, train_y, test_x, test_y = load_data(rank, workers, device)
     model = make_model(args.model, args.hidden).to(device)
     kvt.broadcast_parameters(model, kv)  # every worker starts from rank 0's weights

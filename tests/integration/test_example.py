@@ -9,6 +9,8 @@ import importlib.util
 import os
 import pty
 import re
+import select
+import shlex
 import struct
 import subprocess
 import sys
@@ -76,47 +78,78 @@ def test_mnist_example_trains_uncompressed_plots_and_keeps_piped_output_free_of_
     assert not _BAR.search(output) and "\r" not in output, output
 
 
-def _run_on_a_terminal(args: list[str], cwd: Path) -> str:
-    """Run the example alone (``local`` mode) with stdout and stderr on a pseudo-terminal of
-    100 columns; everything it wrote there."""
+def _terminal() -> tuple[int, int]:
+    """A new pseudo-terminal of 100 columns: (primary, secondary)."""
     primary, secondary = pty.openpty()
     # A terminal of 0 columns (the default of a new one) gets tqdm bars of nothing.
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    return primary, secondary
+
+
+def _read_until_closed(primaries: list[int], timeout: float) -> dict[int, str]:
+    """Everything written on these terminals until every writer has closed them."""
+    chunks: dict[int, list[bytes]] = {primary: [] for primary in primaries}
+    open_ends = set(primaries)
+    while open_ends:
+        readable, _, _ = select.select(list(open_ends), [], [], timeout)
+        if not readable:
+            break  # the caller's wait() reports the hang
+        for primary in readable:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                chunk = b""
+            if chunk:
+                chunks[primary].append(chunk)
+            else:
+                open_ends.discard(primary)
+    return {primary: b"".join(c).decode(errors="replace") for primary, c in chunks.items()}
+
+
+def _run_on_terminals(args: list[str], cwd: Path) -> tuple[str, str]:
+    """Run the example alone, without the launcher's variables, with stdout and stderr on two
+    terminals of 100 columns; what it wrote on each."""
+    (out, out_child), (err, err_child) = _terminal(), _terminal()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     try:
         process = subprocess.Popen(
             [sys.executable, str(TRAIN), *args],
-            stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary, cwd=cwd, env=env,
+            stdin=subprocess.DEVNULL, stdout=out_child, stderr=err_child, cwd=cwd, env=env,
         )  # fmt: skip
     finally:
-        os.close(secondary)  # the child holds it now: reads end when the child is gone
-    chunks = []
+        os.close(out_child)  # the child holds them now: reads end when the child is gone
+        os.close(err_child)
     try:
-        while True:
-            try:
-                chunk = os.read(primary, 65536)
-            except OSError:  # EIO: every writer of the terminal has closed it
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        assert process.wait(timeout=600) == 0, b"".join(chunks).decode(errors="replace")
+        written = _read_until_closed([out, err], timeout=600)
+        assert process.wait(timeout=60) == 0, written[out] + written[err]
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-        os.close(primary)
-    return b"".join(chunks).decode(errors="replace")
+        os.close(out)
+        os.close(err)
+    return written[out], written[err]
 
 
-def test_mnist_example_shows_progress_bars_on_a_terminal(tmp_path):
+def test_mnist_example_alone_says_it_trains_in_local_mode_and_shows_progress_bars(tmp_path):
+    """Without the launcher the example trains alone, in ``local`` mode, and says so once on
+    stderr, with the command that trains with 2 workers and 2 servers. On a terminal it draws
+    progress bars (on stderr, tqdm's stream) besides the lines it prints."""
     _require_example_dependencies()
-    output = _run_on_a_terminal(["--epochs", "2", "--batch-size", "256"], tmp_path)  # 15 steps
-    lines = re.findall(r"epoch (\d): loss [\d.]+  test accuracy", output)
-    assert lines == ["1", "2"], output  # the printed lines are there, as without bars
+    args = ["--epochs", "2", "--batch-size", "256"]  # 15 steps an epoch
+    out, err = _run_on_terminals(args, tmp_path)
+    lines = re.findall(r"epoch (\d): loss [\d.]+  test accuracy", out)
+    assert lines == ["1", "2"], out  # the printed lines are there, as without bars
+    assert "1 worker(s) x 1 server(s), local," in out, out
+    launch = shlex.join(["kvstore-launch", "-n", "2", "-s", "2", "--", "python3", str(TRAIN)])
+    notes = [line.strip() for line in err.splitlines() if "local mode" in line]
+    assert notes == [
+        "KVSTORE_SERVERS is not set: training alone in local mode (one worker and an in-process "
+        f"server); to train with 2 workers and 2 servers: {launch} {shlex.join(args)}"
+    ], err
     # one bar per epoch, counting that epoch's steps (tqdm redraws it as it goes)
-    assert _BAR.search(output) and "/15 [" in output, output
-    assert re.search(r"epoch 1: +\d+%\|", output) and re.search(r"epoch 2: +\d+%\|", output)
+    assert _BAR.search(err) and "/15 [" in err, err
+    assert re.search(r"epoch 1: +\d+%\|", err) and re.search(r"epoch 2: +\d+%\|", err)
 
 
 def _load_train():
