@@ -28,6 +28,8 @@ import logging
 import os
 import sys
 
+from kvstore.errors import did_you_mean
+
 FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
 """The record format of every kvstore process; ``{role}`` is ``server I``, ``worker R`` or
 ``launch``."""
@@ -45,6 +47,10 @@ def formatter(role: str) -> logging.Formatter:
     return logging.Formatter(FORMAT.format(role=role))
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The level names ``KVSTORE_LOG_LEVEL`` takes."""
+
+
 def _level(default_level: str) -> tuple[int, str | None]:
     """The level from ``KVSTORE_LOG_LEVEL`` (or ``default_level``), and a complaint if unknown."""
     raw = os.environ.get("KVSTORE_LOG_LEVEL", "").strip().upper() or default_level
@@ -53,7 +59,8 @@ def _level(default_level: str) -> tuple[int, str | None]:
         return level, None
     return (
         logging.getLevelName(default_level),
-        f"KVSTORE_LOG_LEVEL={raw!r} is not a log level; using {default_level}",
+        f"KVSTORE_LOG_LEVEL={raw!r} is not a log level{did_you_mean([raw], LEVELS)}; "
+        f"levels: {', '.join(LEVELS)}; using {default_level}",
     )
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import _logging
 from kvstore.config import ClusterConfig, WorkerOptions
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
     from kvstore.worker.client import KVStore
@@ -94,7 +94,10 @@ def create(
         raise TypeError(f"expected str for `name`, got {type(name).__name__}")
     mode = name.lower()
     if mode not in MODES:
-        raise ValueError(f"unknown kvstore type {name!r}; valid types: {', '.join(MODES)}")
+        raise ValueError(
+            f"unknown kvstore type {name!r}{did_you_mean([name], MODES)}; "
+            f"valid types: {', '.join(MODES)}"
+        )
     options = WorkerOptions.from_env(
         os.environ,
         timeout=timeout,

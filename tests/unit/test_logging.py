@@ -117,8 +117,13 @@ def test_an_unknown_level_is_reported_and_the_default_used():
     code = "log = logging.getLogger('kvstore.t')\nlog.info('I-line'); log.warning('W-line')"
     result = run_worker(code, _env(KVSTORE_LOG_LEVEL="LOUD"))
     assert result.returncode == 0, result.stderr
-    assert "KVSTORE_LOG_LEVEL='LOUD' is not a log level; using WARNING" in result.stderr
+    assert "KVSTORE_LOG_LEVEL='LOUD' is not a log level; levels: DEBUG, " in result.stderr
+    assert "; using WARNING" in result.stderr
     assert "I-line" not in result.stderr and "W-line" in result.stderr
+    result = run_worker(code, _env(KVSTORE_LOG_LEVEL="warnig"))
+    assert "KVSTORE_LOG_LEVEL='WARNIG' is not a log level (did you mean 'WARNING'?)" in (
+        result.stderr
+    )
 
 
 APP_LOGGING = (

@@ -84,6 +84,16 @@ def test_optimizer_names_and_hyperparameters(name, params, text):
     assert text in str(raised.value)
 
 
+def test_a_misspelled_mode_gets_a_suggestion():
+    import kvstore  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=r"'dist_synk' \(did you mean 'dist_sync'\?\); valid"):
+        kvstore.create("dist_synk")
+    with pytest.raises(ValueError) as far:
+        kvstore.create("turbo")
+    assert "did you mean" not in str(far.value)
+
+
 def test_key_origin_follows_the_rule_that_loads_the_keys(tmp_path):
     JobKeys.generate().write(tmp_path)
     folder = str(tmp_path / "worker")
