@@ -321,11 +321,7 @@ def describe_handshake_failure(
                 f"the servers with the job's keys ({AUTH_DIR_VAR}=DIR/server), or the workers "
                 f"without"
             )
-        return (
-            f"{server} requires the job's CURVE keys and this worker has none: set "
-            f"{AUTH_DIR_VAR}=DIR/worker of the `kvstore-keygen DIR` run whose DIR/server the "
-            f"servers read (or the KVSTORE_AUTH_*_KEY variables), or start it with kvstore-launch"
-        )
+        return f"{server} requires the job's CURVE keys and {_NO_KEYS_FIX}"
     if secured:
         origin = key_origin("server-public-key", env)
         return (
@@ -334,10 +330,19 @@ def describe_handshake_failure(
             f"`kvstore-keygen` run), or the server has no keys; "
             f"{_worker_key_fix(origin, 'server-public-key')}"
         )
+    # (No detail: libzmq reports a plain worker's refusal by a CURVE server so too, depending
+    # on how the two ends' steps interleave, as they do differently on a busy machine.)
     return (
-        f"the handshake with {server} failed: it probably requires the job's CURVE keys "
-        f"(set {AUTH_DIR_VAR} for this worker, or start it with kvstore-launch)"
+        f"the handshake with {server} failed: it probably requires the job's CURVE keys, "
+        f"and {_NO_KEYS_FIX}"
     )
+
+
+_NO_KEYS_FIX = (
+    f"this worker has none: set {AUTH_DIR_VAR}=DIR/worker of the `kvstore-keygen DIR` run "
+    f"whose DIR/server the servers read (or the KVSTORE_AUTH_*_KEY variables), or start it with "
+    f"kvstore-launch"
+)
 
 
 # the server's ZAP handler --------------------------------------------------------------------

@@ -86,6 +86,7 @@ def test_refused_client_key_names_where_it_came_from(job, monkeypatch, tmp_path)
 def test_a_worker_without_keys_is_told_how_to_get_them(job, monkeypatch):
     _, address = job
     message = _refusal(monkeypatch, address, {})
-    assert "requires the job's CURVE keys and this worker has none" in message
+    # (with or without the handshake's detail, which a busy machine may not deliver)
+    assert "requires the job's CURVE keys" in message and "this worker has none" in message
     assert "KVSTORE_AUTH_DIR=DIR/worker" in message
     assert message.count(address) == 1
