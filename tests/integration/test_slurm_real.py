@@ -91,6 +91,8 @@ def test_the_launchers_steps_run_and_end_cleanly_under_real_srun(slurm, tmp_path
     assert len(sums) == 2 and all(line.split()[3] == "2.0" for line in sums), log
     addresses = sums[0].split()[4].split(",")
     assert [a.rsplit(":", 1)[0] for a in addresses] == [f"tcp://{host}"] * 2  # node names
+    for rank, address in enumerate(addresses):  # what each server logs is what workers use
+        assert f"server {rank}/2 serving 2 worker(s) on {address} (every interface)" in log
     assert log.count("the launcher asked this server to stop") == 2, log
     assert not [line for line in log.splitlines() if SLURM_NOISE.search(line)], log
 
