@@ -5,8 +5,9 @@ tcp://HOST:PORT`` where stdout is not a terminal (a launcher reads it from a pip
 with the same address at a terminal; HOST is the host's name for a server bound to every
 interface (``--host 0.0.0.0``). With
 ``--stop-on-stdin-eof`` (``kvstore-launch`` passes it, with a pipe that only it holds open as
-stdin) it also stops when its stdin reaches end of file: when the launcher is gone, even killed
-with SIGKILL, its servers do not run on as orphans. With
+stdin) it also stops when its stdin reaches end of file: after the launcher's stop request
+(:mod:`kvstore.launch_protocol`) when the job is done, without it when the launcher is gone, so
+that even a launcher killed with SIGKILL leaves no orphan servers. With
 ``KVSTORE_METRICS_PORT`` set it also serves Prometheus metrics (:mod:`kvstore.metrics`; server I
 on port ``P + I``) and logs their URL at INFO. With the job's CURVE keys (``KVSTORE_AUTH_DIR``
 or ``KVSTORE_AUTH_*_KEY``, :mod:`kvstore.auth`) it admits only the job's workers, encrypted;
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop-on-stdin-eof",
         action="store_true",
         help="stop when stdin reaches end of file (kvstore-launch passes a pipe that it "
-        "holds: its servers stop when it is gone; default: off)",
+        "holds and writes 'stop' to at the job's end: its servers stop then, or when it is "
+        "gone; default: off)",
     )
     return parser
 
