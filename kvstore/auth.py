@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import zmq
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from kvstore.config import (
     AUTH_DIR_VAR,
@@ -245,6 +246,23 @@ HANDSHAKE_FAILED_EVENTS = (
 )
 """Socket monitor events of a handshake that failed (libzmq >= 4.3)."""
 _MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+_CRYPTOGRAPHIC = 0x11000001  # ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC
+_REFUSED_BEFORE_ZAP = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+"""A CURVE server's handshake failures that happen before its ZAP handler is asked (the ZAP
+handler logs its own refusals, ``EVENT_HANDSHAKE_FAILED_AUTH``)."""
+
+
+def _why_refused(event: int, value: int) -> str:
+    """Why a CURVE server refused a handshake, from its socket monitor's event and value."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _MECHANISM_MISMATCH:
+        return "an unencrypted handshake (a client without the job's keys)"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _CRYPTOGRAPHIC:
+        return "a handshake for another server key (a client with another job's keys)"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"a malformed handshake (ZMTP protocol error {value:#x})"
+    return "a handshake that failed without detail"
+
+
 _ZAP_DENIED = 400  # the status of a ZAP reply that refuses the client (500: the handler failed)
 
 
@@ -353,26 +371,40 @@ class ZapHandler:
     ``client_key`` (Z85 text), refuses everything else.
 
     A thread of its own, outside the server's event loop: it runs once per connection
-    handshake, never per message. Refusals are logged at WARNING at most once per
-    :data:`DENIAL_LOG_INTERVAL` (a stranger retrying in a loop does not flood the log), with
-    the peer's address and the number refused since the last warning. A request it cannot
-    parse is refused: the handler fails closed.
+    handshake, never per message. A request it cannot parse is refused: the handler fails
+    closed.
+
+    Refusals are logged at WARNING, each kind at most once per :data:`DENIAL_LOG_INTERVAL` (a
+    stranger retrying in a loop does not flood the log), with the number of that kind refused
+    since its last warning. A client key that is not the job's reaches this handler, and its
+    warning names the peer's address. Handshakes that fail before they reach it (a client
+    without keys, or one that holds a server key that is not this server's, whose first
+    message cannot be decrypted) are seen through a monitor of the ``watch`` socket, the
+    server's; libzmq reports those without the peer's address.
 
     Start it before the server socket binds and stop it before the context terminates.
     """
 
-    def __init__(self, context: zmq.Context, client_key: str, name: str = "server") -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        client_key: str,
+        name: str = "server",
+        watch: zmq.Socket | None = None,
+    ) -> None:
         self._allowed = z85.decode(client_key.encode())
         self._name = name
         self._context = context
         self._stop_endpoint = f"inproc://kvstore-zap-stop-{id(self)}"
+        self._watched = watch
+        self._monitor_endpoint = f"inproc://kvstore-zap-monitor-{id(self)}"
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._stop_sock: zmq.Socket | None = None
         self.refused = 0
         """Connections refused so far."""
-        self._unreported = 0
-        self._last_warning = 0.0
+        self._unreported: dict[str, int] = {}  # per kind of refusal
+        self._last_warning: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="kvstore-zap", daemon=True)
 
     def start(self) -> None:
@@ -384,6 +416,8 @@ class ZapHandler:
         self._stop_sock = self._context.socket(zmq.PAIR)
         self._stop_sock.setsockopt(zmq.LINGER, 0)
         self._stop_sock.bind(self._stop_endpoint)
+        if self._watched is not None:
+            self._watched.monitor(self._monitor_endpoint, _REFUSED_BEFORE_ZAP)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
@@ -400,6 +434,8 @@ class ZapHandler:
             self._thread.join()
         self._stop_sock.close(0)
         self._stop_sock = None
+        if self._watched is not None and not self._watched.closed:
+            self._watched.disable_monitor()
 
     def _run(self) -> None:
         try:
@@ -409,6 +445,11 @@ class ZapHandler:
             stop = self._context.socket(zmq.PAIR)
             stop.setsockopt(zmq.LINGER, 0)
             stop.connect(self._stop_endpoint)
+            monitor = None
+            if self._watched is not None:
+                monitor = self._context.socket(zmq.PAIR)
+                monitor.setsockopt(zmq.LINGER, 0)
+                monitor.connect(self._monitor_endpoint)
         except zmq.ZMQError as exc:
             self._error = exc
             self._ready.set()
@@ -417,11 +458,15 @@ class ZapHandler:
         poller = zmq.Poller()
         poller.register(zap, zmq.POLLIN)
         poller.register(stop, zmq.POLLIN)
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         try:
             while True:
                 events = dict(poller.poll())
                 if stop in events:
                     return
+                if monitor is not None and monitor in events:
+                    self._on_monitor(monitor)
                 if zap in events:
                     request = zap.recv_multipart()
                     try:
@@ -434,6 +479,18 @@ class ZapHandler:
         finally:
             zap.close(0)
             stop.close(0)
+            if monitor is not None:
+                monitor.close(0)
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        """Log the handshakes the watched socket refused before they reached this handler."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] & _REFUSED_BEFORE_ZAP:
+                self._refuse(b"", None, _why_refused(event["event"], event["value"]))
 
     def answer(self, request: list[bytes]) -> list[bytes]:
         """The ZAP reply to ``request`` (RFC 27: version, request id, domain, address,
@@ -449,21 +506,25 @@ class ZapHandler:
             return self._refuse(request_id, address, "a client key that is not the job's")
         return [_ZAP_VERSION, request_id, b"200", b"OK", b"kvstore-worker", b""]
 
-    def _refuse(self, request_id: bytes, address: str, why: str) -> list[bytes]:
+    def _refuse(self, request_id: bytes, address: str | None, why: str) -> list[bytes]:
+        """Count a refusal and log it (rate-limited per kind, ``why``); the ZAP reply that
+        refuses the request ``request_id``."""
         self.refused += 1
-        self._unreported += 1
+        unreported = self._unreported.get(why, 0) + 1
         now = time.monotonic()
-        if now - self._last_warning >= DENIAL_LOG_INTERVAL:
-            earlier = self._unreported - 1
+        if now - self._last_warning.get(why, -DENIAL_LOG_INTERVAL) >= DENIAL_LOG_INTERVAL:
+            earlier = unreported - 1
+            source = f" from {address}" if address is not None else ""
             logger.warning(
-                "%s refused a connection from %s: %s%s",
+                "%s refused a connection%s: %s%s",
                 self._name,
-                address,
+                source,
                 why,
-                f" ({earlier} more refused since the last warning)" if earlier else "",
+                f" ({earlier} more refused so since the last warning)" if earlier else "",
             )
-            self._last_warning = now
-            self._unreported = 0
+            self._last_warning[why] = now
+            unreported = 0
+        self._unreported[why] = unreported
         return [_ZAP_VERSION, request_id, b"400", b"not a worker of this job", b"", b""]
 
 

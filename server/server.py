@@ -175,7 +175,7 @@ class ShardServer:
             if cfg.curve is not None and not (cfg.bind or "").startswith("inproc://"):
                 # Before the bind: without a ZAP handler libzmq admits any CURVE client.
                 self._zap = auth.ZapHandler(
-                    self._context, cfg.curve.peer_key, f"server {cfg.server_rank}"
+                    self._context, cfg.curve.peer_key, f"server {cfg.server_rank}", watch=sock
                 )
                 self._zap.start()
                 auth.secure_server(sock, cfg.curve)

@@ -271,6 +271,31 @@ def test_a_server_with_keys_says_so_and_logs_who_it_refused(tmp_path):
     assert "refused a connection from 127.0.0.1" in err
 
 
+def test_handshakes_refused_before_the_key_check_are_logged_too(tmp_path):
+    """A client without keys, and one holding another server's key, fail the handshake before
+    the server's ZAP handler sees them; the server still logs each kind of refusal, once per
+    interval however often it is retried (libzmq does not tell the peer's address then)."""
+    assert subprocess.run(["kvstore-keygen", str(tmp_path)], capture_output=True).returncode == 0
+    process, address = _server_process({"KVSTORE_AUTH_DIR": str(tmp_path / "server")})
+    other = JobKeys.generate()
+    try:
+        strangers = [Stranger(address, None), Stranger(address, other.server_public, other)]
+        for stranger in strangers:  # libzmq retries each connection, every 0.1 s
+            stranger.hello(0, 1)
+        deadline = time.monotonic() + NO_ANSWER_S
+        assert not any(s.answered(max(0.0, deadline - time.monotonic())) for s in strangers)
+        for stranger in strangers:
+            stranger.close()
+    finally:
+        err = _stop(process)
+    refusals = [line for line in err.splitlines() if "refused a connection" in line]
+    unencrypted = [line for line in refusals if "an unencrypted handshake" in line]
+    other_key = [line for line in refusals if "a handshake for another server key" in line]
+    assert len(unencrypted) == 1 and len(other_key) == 1, err  # one per kind per interval
+    vague = [line for line in refusals if "failed without detail" in line]
+    assert len(refusals) == 2 + len(vague) and len(vague) <= 1, err
+
+
 def test_keygen_output_runs_a_hand_started_job(tmp_path):
     """``kvstore-keygen DIR``, then servers and workers started by hand with KVSTORE_AUTH_DIR."""
     result = subprocess.run(["kvstore-keygen", str(tmp_path)], capture_output=True, text=True)
