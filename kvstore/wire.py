@@ -35,7 +35,8 @@ Payloads are raw contiguous buffers (numpy/pinned memory, packed codec words), n
 msgpack, sent with ``copy=False`` and received without copies. Nothing is ever pickled.
 
 :func:`decode` validates every inbound message before anyone acts on it: the version, the op, the
-field types (:data:`SCHEMA`), the dtype allowlist, shapes, and that the number and byte length of
+field types (:data:`SCHEMA`; an int field, the version included, refuses floats and bools,
+which compare equal to ints), the dtype allowlist, shapes, and that the number and byte length of
 the payload frames equal what the header declares. Anything else raises
 :class:`~kvstore.errors.ProtocolError` naming what was wrong. Semantic checks that need state (is
 the key initialised, does the payload size fit the codec) are the server's, and also happen
@@ -656,6 +657,8 @@ def decode(frames: Sequence[Any]) -> Message:
 def _decode_header(header: dict[Any, Any], frames: Sequence[Any]) -> Message:
     """The checks of :func:`decode` after the header was unpacked into a map."""
     version = header.get("v")
+    if type(version) is not int:  # (5.0 and True compare equal to ints, so test the type first)
+        raise ProtocolError(f"field 'v' (protocol version) must be an int, got {_show(version)}")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {_show(version)} is not supported (this side speaks version "
