@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from kvstore import checkpoint
 from kvstore.errors import CheckpointError, CodecError, ErrorCode
 from kvstore.optimizer_spec import make_optimizer_spec
+from kvstore.safe_text import printable
 from kvstore.server import checkpointing
 from kvstore.server.chunk import ChunkState, PendingReply
 from kvstore.server.errors import RequestError
@@ -32,6 +33,10 @@ from kvstore.server.work import WorkRunner
 from kvstore.wire import LoadFields, Message, Op, SaveFields, SetOptimizerFields
 
 logger = logging.getLogger(__name__)
+
+SPEC_LOG_LIMIT = 1000
+"""How much of an optimizer's description the log keeps (the workers choose it; texts in it are
+escaped by ``repr`` already, so only its length needs a bound)."""
 
 
 class Collectives:
@@ -100,7 +105,7 @@ class Collectives:
             return
         proposals, job.proposals = job.proposals, {}
         job.optimizer = make_optimizer(spec)
-        logger.info("optimizer set: %r", spec)
+        logger.info("optimizer set: %s", printable(repr(spec), limit=SPEC_LOG_LIMIT))
         for _, reply in proposals.values():
             self._replies.ack(reply)
 
@@ -185,12 +190,12 @@ class Collectives:
                 job.staged_load = None  # (a failed phase 0, a commit, an abort)
         code = ErrorCode.CHECKPOINT
         if error is not None and not isinstance(error, CheckpointError | OSError):
-            logger.error("%s failed", call.describe(), exc_info=error)
+            logger.error("%s failed", printable(call.describe()), exc_info=error)
             code = ErrorCode.INTERNAL
         elif error is not None:
-            logger.warning("%s refused: %s", call.describe(), error)
+            logger.warning("%s refused: %s", printable(call.describe()), printable(error))
         else:
-            logger.info("%s done", call.describe())
+            logger.info("%s done", printable(call.describe()))
         for reply in call.replies.values():
             if error is None:
                 self._replies.ack(reply)
@@ -259,7 +264,7 @@ class Collectives:
                 value.publish(spare)
         if staged.optimizer is not None:
             job.optimizer = staged.optimizer
-        logger.info("loaded %d chunk(s) from %s", len(chunks), staged.path)
+        logger.info("loaded %d chunk(s) from %s", len(chunks), printable(staged.path))
 
 
 def _published(chunk: ChunkState) -> PublishedValue:

@@ -19,12 +19,18 @@ three forms:
 
 A value reply may also acknowledge pushes of the same worker (``ak``), which then get no reply
 of their own: see :mod:`kvstore.server.rounds`.
+
+The warnings about what peers send (bad messages, refused requests) go through
+:meth:`Replies.warn`: every text in them is escaped and cut (:func:`kvstore.safe_text.printable`)
+and they are rate-limited per peer and for all peers together
+(:class:`kvstore.safe_text.WarningThrottle`), since a stranger chooses both its routing id and
+how often it sends.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import zmq
@@ -32,6 +38,7 @@ import zmq
 from kvstore import wire
 from kvstore.errors import ErrorCode
 from kvstore.metrics import frames_nbytes
+from kvstore.safe_text import WarningThrottle, printable
 from kvstore.server.chunk import ChunkState, PendingReply
 from kvstore.server.job import ServerState
 from kvstore.wire import Op, ReplyFields
@@ -41,8 +48,9 @@ logger = logging.getLogger(__name__)
 
 
 def peer(identity: bytes) -> str:
-    """A worker connection's routing id, as logs show it."""
-    return identity.decode("ascii", "replace")
+    """A worker connection's routing id, as logs and error texts show it: escaped and cut
+    (:func:`kvstore.safe_text.printable`), since the peer chooses it."""
+    return printable(identity)
 
 
 class Replies:
@@ -57,6 +65,7 @@ class Replies:
     Attributes:
         socket: the ROUTER socket while the server serves; None before and after (nothing is
             sent then).
+        warnings: the rate limits of :meth:`warn`.
     """
 
     def __init__(self, state: ServerState, after_send: Callable[[], None]) -> None:
@@ -65,6 +74,29 @@ class Replies:
         self._sender = ZeroCopySender(native=None if state.config.native_sends else False)
         # (used on the loop thread only)
         self.socket: zmq.Socket | None = None
+        self.warnings = WarningThrottle()
+
+    def warn(
+        self,
+        log: logging.Logger,
+        about: Hashable,
+        message: str,
+        *texts: object,
+        level: int = logging.WARNING,
+        exc_info: bool = False,
+    ) -> bool:
+        """Log ``message`` (``%s`` placeholders only) about a peer's request, each of ``texts``
+        shown through :func:`~kvstore.safe_text.printable` (a routing id passed as bytes shows
+        as :func:`peer` does), unless :attr:`warnings`' limits for ``about`` (the peer's
+        routing id, or what else the warnings are counted by) are reached; the line says how
+        many were left out before it. Returns whether it was logged."""
+        if not log.isEnabledFor(level):
+            return False
+        verdict = self.warnings.allow(about)
+        if verdict.allowed:
+            shown = [printable(text) for text in texts]
+            log.log(level, message + "%s", *shown, verdict.note(), exc_info=exc_info)
+        return verdict.allowed
 
     def close(self) -> None:
         """Release the zero-copy sender (the server stopped)."""

@@ -36,6 +36,7 @@ from typing import Any
 from kvstore import wire
 from kvstore.codecs.base import relay_fits
 from kvstore.errors import CodecError, ErrorCode
+from kvstore.safe_text import printable
 from kvstore.server.chunk import ChunkState, Deferred, PendingReply, PullWaiter
 from kvstore.server.errors import RequestError
 from kvstore.server.job import ServerState
@@ -118,7 +119,14 @@ class Rounds:
                 await self._work.run(chunk, chunk.aggregator.add, payloads, first)
                 self._keep_for_relay(chunk, payloads)
             except Exception as exc:
-                logger.exception("decoding a push of %s failed", chunk.spec.name)
+                self._replies.warn(
+                    logger,
+                    chunk.spec.name,
+                    "decoding a push of %s failed",
+                    chunk.spec.name,
+                    level=logging.ERROR,
+                    exc_info=True,
+                )
                 chunk.round_error = chunk.round_error or exc
             chunk.accumulated += 1
             if chunk.accumulated == self._state.config.num_workers:
@@ -229,10 +237,14 @@ class Rounds:
             code = error.code
         elif isinstance(error, CodecError):  # a push its codec refused (sizes, NaN factors)
             code = ErrorCode.CODEC
-            logger.warning("a push of %s was refused: %s", chunk.spec.name, error)
+            self._replies.warn(
+                logger, reply.identity, "a push of %s was refused: %s", chunk.spec.name, error
+            )
         else:
             code = ErrorCode.INTERNAL
-            logger.error("update of %s failed: %r", chunk.spec.name, error)
+            logger.error(
+                "update of %s failed: %s", printable(chunk.spec.name), printable(repr(error))
+            )
         self._replies.error(
             reply.identity, reply.rid, reply.op, code, f"{chunk.spec.name}: {error}"
         )

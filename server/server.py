@@ -326,7 +326,7 @@ class ShardServer:
         except ProtocolError as exc:
             if self._state.metrics is not None:
                 self._state.metrics.received(None, frames_nbytes(frames))
-            logger.warning("bad message from %s: %s", peer(identity), exc)
+            self._replies.warn(logger, identity, "bad message from %s: %s", identity, exc)
             self._replies.error(
                 identity, wire.peek_request_id(frames), None, ErrorCode.BAD_MESSAGE, str(exc)
             )
@@ -348,16 +348,32 @@ class ShardServer:
                 heard[rank] = self._state.heard_at
             handler(identity, rank, msg)
         except RequestError as exc:
-            logger.warning(
-                "refused %s (id %d) from %s: %s", msg.op.name, msg.rid, peer(identity), exc
+            self._replies.warn(
+                logger,
+                identity,
+                "refused %s (id %s) from %s: %s",
+                msg.op.name,
+                msg.rid,
+                identity,
+                exc,
             )
             self._replies.error(identity, msg.rid, msg.op, exc.code, str(exc), exc.lost_rank)
         except (CodecError, OptimizerError) as exc:
             code = ErrorCode.CODEC if isinstance(exc, CodecError) else ErrorCode.OPTIMIZER
-            logger.warning("refused %s from %s: %s", msg.op.name, peer(identity), exc)
+            self._replies.warn(
+                logger, identity, "refused %s from %s: %s", msg.op.name, identity, exc
+            )
             self._replies.error(identity, msg.rid, msg.op, code, str(exc))
         except Exception as exc:
-            logger.exception("internal error on %s from %s", msg.op.name, peer(identity))
+            self._replies.warn(
+                logger,
+                identity,
+                "internal error on %s from %s",
+                msg.op.name,
+                identity,
+                level=logging.ERROR,
+                exc_info=True,
+            )
             self._replies.error(
                 identity, msg.rid, msg.op, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
             )

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import logging
 import unicodedata
+from pathlib import Path
 
 import pytest
 
-from kvstore.safe_text import WarningThrottle, printable
+from kvstore.safe_text import (
+    TEXT_LIMIT,
+    WARNING_INTERVAL,
+    WARNINGS_PER_PEER,
+    WARNINGS_TOTAL,
+    WarningThrottle,
+    printable,
+)
 
 
 def _has_unsafe(text: str) -> bool:
@@ -177,3 +185,12 @@ def test_bad_settings_are_refused() -> None:
         WarningThrottle(per_peer=0)
     with pytest.raises(ValueError, match="interval"):
         WarningThrottle(interval=0)
+
+
+def test_the_operations_guide_states_the_settings() -> None:
+    guide = " ".join((Path(__file__).parents[2] / "docs" / "operations.md").read_text().split())
+    assert f"at most {TEXT_LIMIT} characters are kept" in guide
+    assert (
+        f"at most {WARNINGS_PER_PEER} per peer (its routing id) and {WARNINGS_TOTAL} for all "
+        f"peers together in each {WARNING_INTERVAL:g} s"
+    ) in guide
