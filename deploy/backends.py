@@ -104,6 +104,16 @@ class LocalBackend(Backend):
         return ChildCommand(list(argv), {**os.environ, **env})
 
 
+def _remote_interpreter_hint(launcher: str, place: str) -> str:
+    """The way out for a process that could not start on a remote ``place`` ("host", "node")
+    of a launcher that runs its own interpreter there by its path."""
+    return (
+        f"the {launcher} launcher runs the launcher's own interpreter on every {place}, by its "
+        f"path; keep the same environment at the same path there (a shared file system does), "
+        f"or give --python the interpreter that has kvstore on the {place}s"
+    )
+
+
 def read_hostfile(path: str | Path) -> list[str]:
     """Hosts from a hostfile: one per line, ``#`` comments and blank lines ignored.
 
@@ -191,11 +201,7 @@ class SSHBackend(Backend):
         return f"on host {self._host(role, rank)}"
 
     def start_hint(self) -> str:
-        return (
-            "the ssh launcher runs the launcher's own interpreter on every host, by its path; "
-            "install the same environment at the same path there (or a shared file system), "
-            "or give --python the interpreter that has kvstore on the hosts"
-        )
+        return _remote_interpreter_hint(self.name, "host")
 
     def child(
         self, role: str, rank: int, argv: Sequence[str], env: Mapping[str, str]
@@ -330,11 +336,7 @@ class SlurmBackend(Backend):
         return f"on node {self.node(role, rank)}"
 
     def start_hint(self) -> str:
-        return (
-            "the slurm launcher runs the launcher's own interpreter on every node, by its path; "
-            "keep the environment on a file system the nodes share, or give --python the "
-            "interpreter that has kvstore on the nodes"
-        )
+        return _remote_interpreter_hint(self.name, "node")
 
     def child(
         self, role: str, rank: int, argv: Sequence[str], env: Mapping[str, str]

@@ -60,8 +60,10 @@ class Child:
     ready: threading.Event = field(default_factory=threading.Event)
     address: str | None = None
     threads: list[threading.Thread] = field(default_factory=list)
-    last_errors: deque[str] = field(default_factory=lambda: deque(maxlen=20))
-    """The last lines it wrote to stderr, to tell why it failed."""
+    last_errors: deque[bytes] = field(default_factory=lambda: deque(maxlen=20))
+    """The last lines it wrote to stderr, to tell why it failed (decoded only then)."""
+    asked_to_stop: bool = False
+    """Whether :meth:`Supervisor.stop_all` asked it to stop through its stdin."""
 
     @property
     def label(self) -> str:
@@ -163,7 +165,7 @@ class Supervisor:
                     child.ready.set()
                     continue
             if sink is self._err:
-                child.last_errors.append(line.decode("utf-8", "replace"))
+                child.last_errors.append(line)
             self._emit(sink, prefix, line)
         source.close()
 
@@ -232,25 +234,21 @@ class Supervisor:
         ``srun`` and ``ssh`` too, which pass stdin on but turn signals into something else
         (``srun`` answers SIGTERM by killing its tasks with SIGKILL). Workers, still running only
         when the job failed, get SIGTERM to their group. Whatever still runs after
-        ``stop_timeout`` gets SIGTERM (if it was only asked) and then, after ``stop_timeout``
-        more, SIGKILL.
+        ``stop_timeout`` gets the next step: SIGTERM if it was only asked, else SIGKILL; and
+        what still runs ``stop_timeout`` later, SIGKILL.
         """
         running = [c for c in self.children if c.process.poll() is None]
-        asked = [c for c in running if self._ask_to_stop(c)]
         for child in running:
-            if child not in asked:
+            child.asked_to_stop = self._ask_to_stop(child)
+            if not child.asked_to_stop:
                 self._signal(child, signal.SIGTERM)
         late = self._wait_for(running, self.stop_timeout)
-        for child in late:
-            if child in asked:
-                self._signal(child, signal.SIGTERM)
-        for child in self._wait_for([c for c in late if c in asked], self.stop_timeout):
+        for child in late:  # the next step: a signal for the asked, the last one for the others
+            self._signal(child, signal.SIGTERM if child.asked_to_stop else signal.SIGKILL)
+        for child in self._wait_for(late, self.stop_timeout):
             self._signal(child, signal.SIGKILL)
             child.process.wait()
         for child in self.children:
-            if child.process.poll() is None:  # (a worker that ignored SIGTERM)
-                self._signal(child, signal.SIGKILL)
-                child.process.wait()
             for thread in child.threads:
                 thread.join(timeout=5.0)
             if child.process.stdin is not None and not child.process.stdin.closed:
@@ -285,7 +283,10 @@ class Supervisor:
     def _why_it_failed(self, child: Child) -> str:
         """``": REASON"`` when the backend recognises why ``child`` failed to start, else ""."""
         reason = self.backend.explain_start_failure(
-            child.role, child.rank, child.process.returncode, "".join(child.last_errors)
+            child.role,
+            child.rank,
+            child.process.returncode,
+            b"".join(child.last_errors).decode("utf-8", "replace"),
         )
         return f": {reason}" if reason else ""
 

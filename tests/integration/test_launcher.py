@@ -222,15 +222,20 @@ def test_ssh_runs_the_launchers_interpreter_where_the_remote_path_is_the_systems
     assert Path(line.split()[4]).parent == Path(PY).parent
 
 
-def test_ssh_names_a_missing_interpreter_and_one_without_kvstore(tmp_path):
+def _launch_on_one_ssh_host(tmp_path: Path, python: str) -> subprocess.CompletedProcess:
+    """One worker through the stand-in ssh, with ``--python PYTHON`` for the server."""
     hostfile = tmp_path / "hosts"
     hostfile.write_text("127.0.0.1\n")
-    ssh = str(_stand_in_ssh(tmp_path))
-    missing = str(tmp_path / "venv" / "bin" / "python3")
-    result = launch(
-        "-n", "1", "--launcher", "ssh", "-H", str(hostfile), "--ssh-command", ssh,
-        "--python", missing, "--", "python3", "-c", "pass",
+    return launch(
+        "-n", "1", "--launcher", "ssh", "-H", str(hostfile),
+        "--ssh-command", str(_stand_in_ssh(tmp_path)),
+        "--python", python, "--", "python3", "-c", "pass",
     )  # fmt: skip
+
+
+def test_ssh_names_a_missing_interpreter_and_one_without_kvstore(tmp_path):
+    missing = str(tmp_path / "venv" / "bin" / "python3")
+    result = _launch_on_one_ssh_host(tmp_path, missing)
     assert result.returncode != 0
     assert f"{missing} was not found on host 127.0.0.1" in result.stderr, result.stderr
     assert "--python" in result.stderr
@@ -241,9 +246,6 @@ def test_ssh_names_a_missing_interpreter_and_one_without_kvstore(tmp_path):
         or subprocess.run([system, "-c", "import kvstore"]).returncode == 0
     ):
         return
-    result = launch(
-        "-n", "1", "--launcher", "ssh", "-H", str(hostfile), "--ssh-command", ssh,
-        "--python", system, "--", "python3", "-c", "pass",
-    )  # fmt: skip
+    result = _launch_on_one_ssh_host(tmp_path, system)
     assert result.returncode != 0
     assert f"{system} on host 127.0.0.1 cannot import kvstore" in result.stderr, result.stderr
