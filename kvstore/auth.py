@@ -36,7 +36,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import zmq
 from zmq.utils import z85
@@ -48,6 +47,7 @@ from kvstore.config import (
     AUTH_ROLE_FILES,
     AUTH_VARS,
     CurveKeys,
+    KeyOrigin,
     check_z85_key,
 )
 from kvstore.errors import ConfigError
@@ -266,33 +266,6 @@ def _why_refused(event: int, value: int) -> str:
 _ZAP_DENIED = 400  # the status of a ZAP reply that refuses the client (500: the handler failed)
 
 
-class KeyOrigin(NamedTuple):
-    """Where a process read one of its keys: a ``KVSTORE_AUTH_*_KEY`` variable, or the key's file
-    in ``KVSTORE_AUTH_DIR`` (then ``directory`` is that folder)."""
-
-    variable: str
-    directory: str | None = None
-
-    def __str__(self) -> str:
-        return self.variable if self.directory is None else f"{self.variable}={self.directory}"
-
-
-def key_origin(file_name: str, env: Mapping[str, str] | None = None) -> KeyOrigin | None:
-    """Where a process with environment ``env`` (default ``os.environ``) reads the key of
-    ``file_name`` (``"server-public-key"``, ...), by the rule of
-    :func:`kvstore.config.curve_keys_from_env`: its ``KVSTORE_AUTH_*_KEY`` variable where that
-    is set (not blank), else its file in ``KVSTORE_AUTH_DIR``; None where neither gives it (the
-    keys were handed over in code)."""
-    env = os.environ if env is None else env
-    variable = AUTH_KEY_FILES[file_name]
-    if (env.get(variable) or "").strip():
-        return KeyOrigin(variable)
-    directory = (env.get(AUTH_DIR_VAR) or "").strip()
-    if directory and os.path.isfile(os.path.join(directory, file_name)):
-        return KeyOrigin(AUTH_DIR_VAR, directory)
-    return None
-
-
 def _worker_key_fix(origin: KeyOrigin | None, file_name: str) -> str:
     """What a worker whose key ``file_name`` (from ``origin``) is not its job's should do."""
     if origin is None:
@@ -313,27 +286,32 @@ def _from(origin: KeyOrigin | None) -> str:
 
 
 def describe_handshake_failure(
-    event: int, value: int, server: str, secured: bool, env: Mapping[str, str] | None = None
+    event: int,
+    value: int,
+    server: str,
+    secured: bool,
+    origins: Mapping[str, KeyOrigin] | None = None,
 ) -> str:
     """Why a worker's handshake with ``server`` (its rank and address) failed, and what to do,
     from its socket monitor's ``event`` and ``value``; ``secured``: whether the worker has CURVE
     keys.
 
     The text names ``server`` once, and where the worker's keys came from as the user set them
-    (``KVSTORE_AUTH_DIR=PATH`` or a ``KVSTORE_AUTH_*_KEY`` variable), looked up in ``env``
-    (default ``os.environ``, which :func:`kvstore.create` read them from; see
-    :func:`key_origin`)."""
+    (``KVSTORE_AUTH_DIR=PATH`` or a ``KVSTORE_AUTH_*_KEY`` variable): ``origins``, the
+    worker's :attr:`~kvstore.config.CurveKeys.origins` (None or empty: keys handed over in
+    code)."""
+    origins = origins or {}
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         if value != _ZAP_DENIED:
             return f"{server} could not check this worker's keys (ZAP status {value}): see its log"
-        origin = key_origin("client-secret-key", env)
+        origin = origins.get("client-secret-key")
         return (
             f"{server} refused this worker's client key{_from(origin)}: it is not the job's; "
             f"{_worker_key_fix(origin, 'client-secret-key')}"
         )
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _MECHANISM_MISMATCH:
         if secured:
-            origin = key_origin("client-secret-key", env)
+            origin = origins.get("client-secret-key")
             return (
                 f"{server} does not use CURVE keys but this worker does{_from(origin)}: start "
                 f"the servers with the job's keys ({AUTH_DIR_VAR}=DIR/server), or the workers "
@@ -341,7 +319,7 @@ def describe_handshake_failure(
             )
         return f"{server} requires the job's CURVE keys and {_NO_KEYS_FIX}"
     if secured:
-        origin = key_origin("server-public-key", env)
+        origin = origins.get("server-public-key")
         return (
             f"the CURVE handshake with {server} failed: this worker's server public key"
             f"{_from(origin)} is not the server's (keys of another job or another "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstore.envvars import (
     CLUSTER_CONFIG,
@@ -150,6 +150,17 @@ AUTH_ROLE_FILES: dict[str, tuple[str, str, str]] = {
 the secret one) and the other side's public key."""
 
 
+class KeyOrigin(NamedTuple):
+    """Where a process read one of its keys: a ``KVSTORE_AUTH_*_KEY`` variable, or the key's file
+    in ``KVSTORE_AUTH_DIR`` (then ``directory`` is that folder)."""
+
+    variable: str
+    directory: str | None = None
+
+    def __str__(self) -> str:
+        return self.variable if self.directory is None else f"{self.variable}={self.directory}"
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """One process's CURVE credentials, Z85 text (see :mod:`kvstore.auth`).
@@ -162,12 +173,15 @@ class CurveKeys:
             only client key it admits), on a worker the job's server public key.
         public_key: this process's public key where it was given (checked against the secret
             key when the keys are applied); None: derived from the secret key.
+        origins: where each key was read (key file name -> :class:`KeyOrigin`), for messages;
+            empty for keys handed over in code.
     """
 
     role: str
     secret_key: str = field(repr=False)
     peer_key: str
     public_key: str | None = None
+    origins: Mapping[str, KeyOrigin] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in AUTH_ROLE_FILES:
@@ -193,12 +207,16 @@ def curve_keys_from_env(role: str, env: Mapping[str, str] | None = None) -> Curv
         raise ConfigError(f"role must be 'server' or 'worker', got {role!r}")
     directory = env_value(env, AUTH_DIR_VAR, None)
     found: dict[str, str] = {}
+    origins: dict[str, KeyOrigin] = {}
     for name in AUTH_ROLE_FILES[role]:
         value = env_value(env, AUTH_KEY_FILES[name], None)
+        origin = KeyOrigin(AUTH_KEY_FILES[name])
         if value is None and directory is not None:
             value = _read_key_file(directory, name)
+            origin = KeyOrigin(AUTH_DIR_VAR, directory)
         if value is not None:
             found[name] = value
+            origins[name] = origin
     own_secret, own_public, peer = AUTH_ROLE_FILES[role]
     if own_secret not in found and peer not in found:
         if directory is not None:
@@ -221,7 +239,7 @@ def curve_keys_from_env(role: str, env: Mapping[str, str] | None = None) -> Curv
                 f"{AUTH_KEY_FILES[name]}, or {AUTH_DIR_VAR} to a directory holding both files "
                 f"(`kvstore-keygen DIR` writes them to DIR/{role})"
             )
-    return CurveKeys(role, found[own_secret], found[peer], found.get(own_public))
+    return CurveKeys(role, found[own_secret], found[peer], found.get(own_public), origins)
 
 
 def _read_key_file(directory: str, name: str) -> str | None:

@@ -158,7 +158,10 @@ class Connections:
             if failures < 2:
                 return
         where = f"server {rank} ({self.servers[rank]})"
-        reason = auth.describe_handshake_failure(event, value, where, self._curve is not None)
+        curve = self._curve
+        reason = auth.describe_handshake_failure(
+            event, value, where, curve is not None, curve.origins if curve is not None else None
+        )
         self.refused.add(rank)  # first: its requests fail with AuthenticationError
         self._server_lost(rank, reason)
 

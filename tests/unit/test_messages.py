@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from kvstore.auth import JobKeys, KeyOrigin, describe_handshake_failure, key_origin
+from kvstore.auth import JobKeys, describe_handshake_failure
 from kvstore.auth import build_parser as keygen_parser
 from kvstore.codecs import codec_from_spec
-from kvstore.config import ServerConfig
+from kvstore.config import KeyOrigin, ServerConfig, curve_keys_from_env
 from kvstore.errors import CodecError, OptimizerError, close_match, did_you_mean
 from kvstore.optimizer_spec import make_optimizer_spec
 from kvstore.server.__main__ import ready_line
@@ -92,6 +92,12 @@ def test_a_misspelled_mode_gets_a_suggestion():
     with pytest.raises(ValueError) as far:
         kvstore.create("turbo")
     assert "did you mean" not in str(far.value)
+
+
+def key_origin(file_name: str, env: dict[str, str]) -> KeyOrigin | None:
+    """Where a worker with environment ``env`` read its key ``file_name``, as it records it."""
+    keys = curve_keys_from_env("worker", env)
+    return None if keys is None else keys.origins.get(file_name)
 
 
 def test_key_origin_follows_the_rule_that_loads_the_keys(tmp_path):
