@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -372,6 +372,9 @@ class ZapHandler:
     ) -> None:
         self._allowed = z85.decode(client_key.encode())
         self._name = name
+        self.describe_address: Callable[[str], str | None] | None = None
+        """Maps the address libzmq reports to the peer's own (a server behind its admission
+        gate sees the gate's relay addresses); None: shown as reported."""
         self._context = context
         self._stop_endpoint = f"inproc://kvstore-zap-stop-{id(self)}"
         self._watched = watch
@@ -383,6 +386,11 @@ class ZapHandler:
         """Connections refused so far."""
         self._unreported: dict[str, int] = {}  # per kind of refusal
         self._last_warning: dict[str, float] = {}
+        self._refusals_lock = threading.Lock()  # the gate reports from the server's loop
+        self.mismatches_reported = False
+        """True while the server's admission gate reports unencrypted handshakes
+        (:meth:`refuse_unencrypted`), with the peer's address: the monitor's reports of them,
+        without it, are then left out."""
         self._thread = threading.Thread(target=self._run, name="kvstore-zap", daemon=True)
 
     def start(self) -> None:
@@ -467,7 +475,13 @@ class ZapHandler:
                 event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] & _REFUSED_BEFORE_ZAP:
+            if not event["event"] & _REFUSED_BEFORE_ZAP:
+                continue
+            mismatch = (
+                event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                and event["value"] == _MECHANISM_MISMATCH
+            )
+            if not (mismatch and self.mismatches_reported):
                 self._refuse(b"", None, _why_refused(event["event"], event["value"]))
 
     def answer(self, request: list[bytes]) -> list[bytes]:
@@ -475,6 +489,8 @@ class ZapHandler:
         identity, mechanism, credentials...)."""
         request_id = request[1] if len(request) > 1 else b""
         address = request[3].decode("ascii", "replace") if len(request) > 3 else "?"
+        if self.describe_address is not None:
+            address = self.describe_address(address) or address
         if len(request) < 6 or request[0] != _ZAP_VERSION:
             return self._refuse(request_id, address, "a malformed ZAP request")
         mechanism, credentials = request[5], request[6:]
@@ -484,9 +500,20 @@ class ZapHandler:
             return self._refuse(request_id, address, "a client key that is not the job's")
         return [_ZAP_VERSION, request_id, b"200", b"OK", b"kvstore-worker", b""]
 
+    def refuse_unencrypted(self, address: str) -> None:
+        """Count and log (rate-limited) a client at ``address`` that offered no encryption,
+        which libzmq refuses."""
+        self._refuse(
+            b"", address, _why_refused(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, _MECHANISM_MISMATCH)
+        )
+
     def _refuse(self, request_id: bytes, address: str | None, why: str) -> list[bytes]:
         """Count a refusal and log it (rate-limited per kind, ``why``); the ZAP reply that
         refuses the request ``request_id``."""
+        with self._refusals_lock:
+            return self._count_refusal(request_id, address, why)
+
+    def _count_refusal(self, request_id: bytes, address: str | None, why: str) -> list[bytes]:
         self.refused += 1
         unreported = self._unreported.get(why, 0) + 1
         now = time.monotonic()

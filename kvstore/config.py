@@ -22,8 +22,11 @@ from typing import Any, NamedTuple
 
 from kvstore.envvars import (
     CLUSTER_CONFIG,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_RECEIVE_BUFFER_BYTES,
     METRICS_CONFIG,
     MIN_MESSAGE_BYTES,
+    MIN_RECEIVE_BUFFER_BYTES,
     SERVER_CONFIG,
     WORKER_OPTIONS,
     check_heartbeat_timeout,
@@ -401,6 +404,13 @@ class ServerConfig:
             for every chunk.
         acks_on_pulls: acknowledge a push in the value reply of the worker's waiting pull
             (:meth:`kvstore.server.rounds.Rounds._ack_with_pull`); False: an ack per push.
+        max_connections: connections the server's admission gate accepts at once
+            (``KVSTORE_MAX_CONNECTIONS``; :mod:`kvstore.server.gate`).
+        receive_buffer_bytes: bytes of received messages that the server has not yet taken
+            from its socket, over all connections (``KVSTORE_RECEIVE_BUFFER_BYTES``).
+        admission_gate: on TCP, accept connections through the admission gate, which bounds
+            what peers can make the server hold; False: the ZeroMQ socket listens itself (for
+            measuring the gate's cost).
     """
 
     host: str = "127.0.0.1"
@@ -418,6 +428,9 @@ class ServerConfig:
     native_sends: bool = True
     inline_work: bool = True
     acks_on_pulls: bool = True
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    receive_buffer_bytes: int = DEFAULT_RECEIVE_BUFFER_BYTES
+    admission_gate: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -441,6 +454,13 @@ class ServerConfig:
                 f"much), got {self.max_message_bytes}"
             )
         check_heartbeat_timeout(self.heartbeat_timeout)
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.receive_buffer_bytes < MIN_RECEIVE_BUFFER_BYTES:
+            raise ConfigError(
+                f"receive_buffer_bytes must be >= {MIN_RECEIVE_BUFFER_BYTES}, got "
+                f"{self.receive_buffer_bytes}"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:

@@ -38,6 +38,12 @@ MIN_HEARTBEAT_TIMEOUT = 0.1
 """Shorter timeouts are refused: pings every timeout / 6 would cost more than they tell."""
 MIN_MESSAGE_BYTES = 64 * 1024
 """The smallest message size limit: a header alone may take 64 KiB (``wire.MAX_HEADER_BYTES``)."""
+DEFAULT_MAX_CONNECTIONS = 1024
+"""Connections a server accepts at once: each worker holds two, so enough for 512 workers."""
+DEFAULT_RECEIVE_BUFFER_BYTES = 256 << 20
+"""Bytes of received messages a server lets wait for it, over all connections."""
+MIN_RECEIVE_BUFFER_BYTES = 1 << 20
+"""The smallest ``KVSTORE_RECEIVE_BUFFER_BYTES``."""
 Z85_KEY_LENGTH = 40
 """Characters of a CURVE key in Z85 text (32 bytes)."""
 _Z85_ALPHABET = frozenset(
@@ -486,6 +492,31 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "refused at connect with `ConfigError`, and so is an init of a larger chunk.",
         parse=Integer(minimum=MIN_MESSAGE_BYTES),
         field="max_message_bytes",
+        read_by=(SERVER_CONFIG,),
+    ),
+    EnvVar(
+        "KVSTORE_MAX_CONNECTIONS",
+        "int >= 1",
+        str(DEFAULT_MAX_CONNECTIONS),
+        "server",
+        "Connections a server accepts at once (each worker holds two); more are closed as they "
+        "arrive, with a warning. Part of the bound on a server's memory (docs/operations.md, "
+        "Limits).",
+        parse=Integer(minimum=1),
+        field="max_connections",
+        read_by=(SERVER_CONFIG,),
+    ),
+    EnvVar(
+        "KVSTORE_RECEIVE_BUFFER_BYTES",
+        f"int >= {MIN_RECEIVE_BUFFER_BYTES}",
+        "268435456 (256 MiB)",
+        "server",
+        "Bytes of received messages that a server lets wait for it, over all its connections; "
+        "a connection whose next frame does not fit is not read until the server has taken "
+        "enough (TCP holds its sender back, nothing is lost). Part of the bound on a server's "
+        "memory (docs/operations.md, Limits).",
+        parse=Integer(minimum=MIN_RECEIVE_BUFFER_BYTES),
+        field="receive_buffer_bytes",
         read_by=(SERVER_CONFIG,),
     ),
     EnvVar(

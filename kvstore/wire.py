@@ -76,6 +76,10 @@ MAX_PARAMS = 64
 MAX_ACKS = 65536
 MAX_TEXT = 4096
 """Longest str field (codec and optimizer names, error messages); :func:`error` truncates."""
+MAX_PAYLOAD_FRAMES = 4
+"""The most payload frames a request may declare (a codec's push has at most two: indices and
+values, or scales and codes); the server's admission gate closes a connection whose request
+declares more (:func:`declared_payload`)."""
 PEEK_BYTES = 256
 """:func:`peek_request_id` reads the request id from at most this many leading header bytes."""
 
@@ -652,6 +656,41 @@ def decode(frames: Sequence[Any]) -> Message:
         raise
     except Exception as exc:  # a validator missed an odd value: still a bad message, not a crash
         raise ProtocolError(f"malformed header: {type(exc).__name__}: {_show(exc, 200)}") from exc
+
+
+def declared_payload(raw: bytes, max_frame: int | None) -> tuple[int, int] | None:
+    """The payload frames and bytes that the request header ``raw`` declares (its ``nb``), if
+    its op's schema allows them: at most the op's payload frame count (:data:`MAX_PAYLOAD_FRAMES`
+    where the codec decides), each of at most ``max_frame`` bytes (None: any). None for anything
+    else: not msgpack, not a map, no known op, an ``nb`` that is not such a list.
+
+    The server's admission gate calls it on a header as soon as it arrives, before it lets the
+    rest of the message in; :func:`decode` checks the whole message later, with its reasons.
+    """
+    if len(raw) > MAX_HEADER_BYTES:
+        return None
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception:  # msgpack raises several unrelated types
+        return None
+    if not isinstance(header, dict):
+        return None
+    raw_op = header.get("op")
+    op = _OPS.get(raw_op) if type(raw_op) is int else None
+    nbytes = header.get("nb")
+    if op is None or not isinstance(nbytes, list):
+        return None
+    counts = _PAYLOAD_COUNT.get(op)
+    if len(nbytes) > (max(counts) if counts is not None else MAX_PAYLOAD_FRAMES):
+        return None
+    total = 0
+    for declared in nbytes:
+        if type(declared) is not int or declared < 0:
+            return None
+        if max_frame is not None and declared > max_frame:
+            return None
+        total += declared
+    return len(nbytes), total
 
 
 def _decode_header(header: dict[Any, Any], frames: Sequence[Any]) -> Message:

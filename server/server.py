@@ -58,6 +58,7 @@ from kvstore.errors import (
 from kvstore.metrics import ServerMetrics, frames_nbytes
 from kvstore.server.collectives import Collectives
 from kvstore.server.errors import RequestError
+from kvstore.server.gate import AdmissionGate, GateLimits, relay_addresses_work
 from kvstore.server.job import ServerState
 from kvstore.server.keys import Keys
 from kvstore.server.membership import Membership
@@ -124,6 +125,7 @@ class ShardServer:
         self._context = context if context is not None else zmq.Context()
         self._socket: zmq.Socket | None = None
         self._zap: auth.ZapHandler | None = None  # with CURVE keys: admits the job's workers
+        self._gate: AdmissionGate | None = None  # on TCP: bounds what peers make it hold
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
         self._drain_scheduled = False
@@ -182,7 +184,36 @@ class ShardServer:
             if cfg.bind is not None:
                 sock.bind(cfg.bind)
                 self.address = cfg.bind
+            elif cfg.admission_gate and relay_addresses_work():
+                # Peers reach the socket through the gate only (see kvstore.server.gate).
+                sock.bind("tcp://127.0.0.1:0")
+                frame_limit = sock.getsockopt(zmq.MAXMSGSIZE)
+                assert isinstance(frame_limit, int)
+                target = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+                self._gate = AdmissionGate(
+                    GateLimits.for_server(
+                        frame_limit if frame_limit >= 0 else None,
+                        cfg.max_connections,
+                        cfg.receive_buffer_bytes,
+                    ),
+                    target,
+                    self._replies.warn,
+                    self._zap.refuse_unencrypted if self._zap is not None else None,
+                )
+                if self._zap is not None:
+                    self._zap.describe_address = self._gate.public_peer
+                    self._zap.mismatches_reported = True
+                host = None if cfg.host in ("*", "") else cfg.host
+                port = await self._gate.start(host, cfg.port)
+                self.address = worker_address(cfg.host, port)
             else:
+                if cfg.admission_gate:
+                    logger.warning(
+                        "server %d cannot open connections from 127.64.0.0/10 on this host: it "
+                        "serves without its admission gate, so the frames of one message are "
+                        "not bounded (docs/operations.md, Limits)",
+                        cfg.server_rank,
+                    )
                 if ":" in cfg.host:  # an IPv6 address (``::``: every interface)
                     sock.setsockopt(zmq.IPV6, 1)
                 sock.bind(f"tcp://{_in_brackets(cfg.host)}:{cfg.port}")
@@ -190,6 +221,7 @@ class ShardServer:
                 self.address = worker_address(cfg.host, int(bound.rsplit(":", 1)[1]))
         except (zmq.ZMQError, OSError, ConfigError) as exc:
             sock.close(0)
+            self._close_gate()
             self._close_metrics()
             self._stop_zap()
             if not isinstance(exc, zmq.ZMQError):
@@ -236,6 +268,7 @@ class ShardServer:
             self._loop.remove_reader(self._fd)
             self._fd = None
         await self._work.cancel()
+        self._close_gate()
         if self._socket is not None:
             self._socket.close(0)
             self._socket = self._replies.socket = None
@@ -245,6 +278,17 @@ class ShardServer:
             self._context.term()
         self._replies.close()
         self._close_metrics()
+
+    def _close_gate(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
+
+    @property
+    def gate(self) -> AdmissionGate | None:
+        """The admission gate while the server listens on TCP (None on ``inproc://`` or
+        ``ipc://``, and where the host cannot give it relay addresses)."""
+        return self._gate
 
     def _stop_zap(self) -> None:
         if self._zap is not None:
@@ -300,15 +344,22 @@ class ShardServer:
         if sock is None:
             return
         self._state.heard_at = time.monotonic()  # a sign of life from each sender (heartbeats)
+        gate = self._gate
         for _ in range(DRAIN_BATCH):
             try:
                 frames = wire.recv_frames(sock)
             except zmq.Again:
+                if gate is not None:
+                    gate.idle()
                 return
             except zmq.ZMQError:
                 return  # closed under us during shutdown
             if len(frames) < 2:
                 continue  # a routing id alone: nothing to answer
+            if gate is not None:  # the gate may let more of this connection in now
+                gate.consumed(
+                    frames[1].get("Peer-Address"), frames_nbytes(frames[1:]), len(frames) - 1
+                )
             identity = frames[0].bytes
             try:
                 self._handle(identity, frames[1:])
