@@ -520,6 +520,19 @@ ENV_VARS: tuple[EnvVar, ...] = (
         read_by=(SERVER_CONFIG,),
     ),
     EnvVar(
+        "KVSTORE_ADMISSION_GATE",
+        "0 or 1",
+        "1",
+        "server",
+        "1: a server on TCP accepts connections through its admission gate, which bounds what "
+        "peers make it hold (docs/operations.md, Limits); 0: its ZeroMQ socket listens itself, "
+        "which saves the relay's copy of every byte but leaves the frames of one message and the "
+        "connections unbounded (for trusted networks only).",
+        parse=parse_switch,
+        field="admission_gate",
+        read_by=(SERVER_CONFIG,),
+    ),
+    EnvVar(
         "KVSTORE_ALLOW_NONFINITE",
         "0 or 1",
         "0",

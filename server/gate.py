@@ -114,6 +114,28 @@ RELAY_NETWORK = (127 << 24) | (64 << 16)
 RELAY_ADDRESSES = 1 << 22
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` as ZeroMQ binds one: the first address ``host``
+    resolves to (``*`` and an empty host: every IPv4 interface; ``::``: every interface, IPv4
+    included)."""
+    if host in ("*", ""):
+        host = "0.0.0.0"
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def relay_address(index: int) -> str:
     """The loopback address of the ``index``-th relayed connection (wrapping), skipping the
     addresses that end in 0 or 255."""
@@ -174,11 +196,18 @@ class GateLimits:
         return cls(max_connections, total_bytes, largest, max_message)
 
 
-def memory_bound(limits: GateLimits) -> int:
+def memory_bound(limits: GateLimits, encrypted: bool) -> int:
     """The most that the server's peers can make it hold for their messages, over its memory
-    when idle: every frame not yet taken (:attr:`GateLimits.total_bytes`) and what each of
-    :attr:`GateLimits.max_connections` connections costs (:data:`PER_CONNECTION_BYTES`)."""
-    return limits.total_bytes + limits.max_connections * PER_CONNECTION_BYTES
+    when idle: every frame not yet taken (:attr:`GateLimits.total_bytes`), what each of
+    :attr:`GateLimits.max_connections` connections costs (:data:`PER_CONNECTION_BYTES`), the
+    message the server is handling (its room is free once the server took it: at most
+    :attr:`GateLimits.connection_bytes`) and, on a server with keys (``encrypted``), the frame
+    that libzmq's I/O thread is decrypting into a copy of itself."""
+    bound = limits.total_bytes + limits.max_connections * PER_CONNECTION_BYTES
+    bound += limits.connection_bytes
+    if encrypted and limits.frame_bytes is not None:
+        bound += limits.frame_bytes
+    return bound
 
 
 def raise_file_limit(connections: int) -> None:
@@ -247,14 +276,19 @@ class AdmissionGate:
         self.closed_connections = 0
         """Connections the gate closed for what they sent or held (for tests and metrics)."""
 
-    async def start(self, host: str | None, port: int) -> int:
-        """Listen on ``host:port`` (None: every interface); returns the bound port."""
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port``; returns the bound port."""
         self._loop = asyncio.get_running_loop()
         raise_file_limit(self.limits.max_connections)
-        self._listener = await self._loop.create_server(
-            lambda: _ClientSide(self), host=host, port=port, backlog=1024
-        )
-        bound: int = self._listener.sockets[0].getsockname()[1]
+        listening = listening_socket(host, port)
+        try:
+            self._listener = await self._loop.create_server(
+                lambda: _ClientSide(self), sock=listening, backlog=1024
+            )
+        except BaseException:
+            listening.close()
+            raise
+        bound: int = listening.getsockname()[1]
         return bound
 
     def close(self) -> None:

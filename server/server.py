@@ -203,8 +203,7 @@ class ShardServer:
                 if self._zap is not None:
                     self._zap.describe_address = self._gate.public_peer
                     self._zap.mismatches_reported = True
-                host = None if cfg.host in ("*", "") else cfg.host
-                port = await self._gate.start(host, cfg.port)
+                port = await self._gate.start(cfg.host, cfg.port)
                 self.address = worker_address(cfg.host, port)
             else:
                 if cfg.admission_gate:
