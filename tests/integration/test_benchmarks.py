@@ -465,3 +465,50 @@ def test_time_to_accuracy_smoke_or_reports_why_not(tmp_path):
     again = run("time_to_accuracy", "--from", str(out), "--table", str(tmp_path / "u.md"))
     assert [r for r in again if "seconds_to_target" in r] == summary
     assert (tmp_path / "u.md").read_text() == (tmp_path / "t.md").read_text()
+
+
+def test_hostile_input_probe_smoke():
+    """Each scenario's record, and the behaviour it must show (never its timings): strangers
+    get no reply, malformed messages only valid error replies, every job exact sums, every
+    server stays up with no error logged, many-frame senders leave the server within its
+    documented bound, and a flood or a forged identity cannot forge or flood its log."""
+    records = run("probe_hostile")
+    by_scenario = {r["scenario"]: r for r in records if "frames_per_message" not in r}
+    frames = [r for r in records if r["scenario"] == "many_frames"]
+    assert [r["scenario"] for r in records] == [
+        "strangers", "malformed", "half_handshakes", "many_workers", "many_frames", "log_flood",
+    ]  # fmt: skip
+    for r in records:
+        assert r["preset"] == "smoke" and "cores" in r["machine"], r
+        assert r["alive"] and r["log_errors"] == 0 and r["log_tracebacks"] == 0, r
+        jobs = [value for name, value in r.items() if name.startswith("job") and name != "job_warm"]
+        assert jobs, r
+        for job in jobs:
+            assert job["exact"] and job["mismatches"] == 0 and job["values_checked"] > 0, r
+
+    strangers = by_scenario["strangers"]
+    assert set(strangers["messages_sent"]) == {"plain", "another_job", "random_client_key"}
+    assert all(sent > 0 for sent in strangers["messages_sent"].values()), strangers
+    assert all(replies == 0 for replies in strangers["replies"].values()), strangers
+
+    malformed = by_scenario["malformed"]
+    assert malformed["invalid_replies"] == 0 and malformed["other_replies"] == 0, malformed
+    assert malformed["error_replies"] == malformed["messages"], malformed
+
+    half = by_scenario["half_handshakes"]
+    ends = ("failed_to_connect", "closed_at_once", "closed_later")
+    assert sum(half[name] for name in ends) + half["still_open_after_s"]["open"] == 200, half
+    assert half["fresh_connection_answered_during_flood"], half
+
+    many = by_scenario["many_workers"]
+    assert many["workers"] == 4 and many["job"]["rounds"] > 0, many
+
+    (attack,) = frames
+    assert attack["frames_per_message"] == 48 and attack["bytes_offered"] > 0, attack
+    assert 0 < attack["bound_kib"] and attack["peak_over_before_kib"] <= attack["bound_kib"]
+    assert attack["within_bound"] and attack["connections_closed_seen_by_senders"] > 0, attack
+
+    flood = by_scenario["log_flood"]
+    assert flood["lines_with_control_characters"] == 0, flood
+    assert not flood["forged_line_appears"], flood
+    assert flood["log_lines"] < flood["bad_messages"] // 10, flood  # throttled
