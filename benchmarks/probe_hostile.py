@@ -618,9 +618,31 @@ def half_handshakes(preset: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     # the job connects first and runs through the flood and the wait for its end
     job = Job([server.address], 2, seconds=wait + 5.0)
     opened: dict[socket.socket, float] = {}
+    by_fd: dict[int, socket.socket] = {}
     closed_after: list[float] = []
     failed_to_connect = 0
     poller = select.epoll()
+
+    def watch(timeout: float) -> None:
+        """Note the connections the server closed (seconds after each connected)."""
+        for fd, _ in poller.poll(timeout):
+            conn = by_fd[fd]
+            try:
+                data = conn.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                data = b""
+            if data:
+                continue  # the server's greeting: still open
+            closed_after.append(time.monotonic() - opened[conn])
+            poller.unregister(fd)
+            del by_fd[fd]
+
+    flood_ping: list[bool] = []
+    pinger = threading.Thread(
+        target=lambda: flood_ping.append(_fresh_ping(server.address, 10.0)), daemon=True
+    )
     try:
         job.wait_ready()
         for _ in range(count):
@@ -632,25 +654,16 @@ def half_handshakes(preset: dict[str, Any], log_dir: Path) -> dict[str, Any]:
                 continue
             conn.setblocking(False)
             opened[conn] = time.monotonic()
+            by_fd[conn.fileno()] = conn
             poller.register(conn.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
-        by_fd = {conn.fileno(): conn for conn in opened}
-        flood_ping = _fresh_ping(server.address, 10.0)
+            watch(0)
+        pinger.start()  # a new peer while the flood holds its connections
         deadline = time.monotonic() + wait
         while by_fd and time.monotonic() < deadline:
-            for fd, _ in poller.poll(0.5):
-                conn = by_fd[fd]
-                try:
-                    data = conn.recv(4096)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    data = b""
-                if data:
-                    continue  # the server's greeting: still open
-                closed_after.append(time.monotonic() - opened[conn])
-                poller.unregister(fd)
-                del by_fd[fd]
+            watch(0.2)
         still_open = len(by_fd)
+        pinger.join(30)
+        after_ping = _fresh_ping(server.address, 10.0)
         outcome = job.result()
         at_once = [t for t in closed_after if t < 1.0]
         later = sorted(t for t in closed_after if t >= 1.0)
@@ -667,7 +680,8 @@ def half_handshakes(preset: dict[str, Any], log_dir: Path) -> dict[str, Any]:
             if later
             else None,
             "still_open_after_s": {"seconds": wait, "open": still_open},
-            "fresh_connection_answered_during_flood": flood_ping,
+            "fresh_connection_answered_during_flood": bool(flood_ping and flood_ping[0]),
+            "fresh_connection_answered_after_wait": after_ping,
             "job_during": outcome,
             **server.health(),
         }
