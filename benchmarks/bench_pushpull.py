@@ -22,11 +22,15 @@ values; each step every worker pushes the key and pulls it back (``dist_sync``, 
 * ``kvstore none curve``, ``kvstore 2bit curve``: ``kvstore none`` and ``kvstore 2bit`` with the
   job's CURVE keys (:mod:`kvstore.auth`), as every ``kvstore-launch`` job runs: every message
   encrypted and authenticated. Every other configuration runs without keys.
+* ``kvstore none without gate``, ``kvstore none curve without gate``: the same with
+  ``KVSTORE_ADMISSION_GATE=0``: the server's ZeroMQ socket listens itself instead of behind its
+  admission gate (:mod:`kvstore.server.gate`), which relays every byte once more.
 
 Configurations run in alternation for ``--rounds`` rounds (so machine noise hits all of them
 alike); each reports the median seconds per step over all rounds' steps. Ratios: kvstore dense
 over bare pyzmq, each 2-bit configuration over dense, pushpull and borrowed pushes over push +
-pull, each CURVE configuration over the same one without keys. One JSON line per configuration,
+pull, each CURVE configuration over the same one without keys, with the gate over without it. One
+JSON line per configuration,
 then a summary line.
 
 ``--speedups`` measures the optional speed-ups of this path instead: "kvstore none" and
@@ -146,6 +150,10 @@ KV_CONFIGS = {
     "kvstore none borrow": KvConfig("none", borrow=True),
     "kvstore none curve": KvConfig("none", curve=True),
     "kvstore 2bit curve": KvConfig("2bit", curve=True),
+    "kvstore none without gate": KvConfig("none", env=(("KVSTORE_ADMISSION_GATE", "0"),)),
+    "kvstore none curve without gate": KvConfig(
+        "none", curve=True, env=(("KVSTORE_ADMISSION_GATE", "0"),)
+    ),
 }
 """Configuration name -> how its workers run."""
 
@@ -382,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "curve_over_plain_2bit": round(
                 medians["kvstore 2bit curve"] / medians["kvstore 2bit"], 3
+            ),
+            "gate_over_no_gate_dense": round(
+                medians["kvstore none"] / medians["kvstore none without gate"], 3
+            ),
+            "gate_over_no_gate_curve": round(
+                medians["kvstore none curve"] / medians["kvstore none curve without gate"], 3
             ),
             "machine": machine(),
         }
