@@ -677,13 +677,13 @@ class _Link:
             self.frames_left -= 1
             if self.frames_left < 0:
                 raise _Refused(
-                    f"a message of more than {self.message_frames} frames, more than its "
-                    "header declares"
+                    f"a message of more than {self.message_frames} frames, more than its header "
+                    f"declares and {SLACK_FRAMES} of slack"
                 )
             if size > self.bytes_left:
                 raise _Refused(
-                    f"a frame of {size} bytes in a message whose header declares "
-                    f"{self.bytes_left} more at most"
+                    f"a frame of {size} bytes in a message that may carry {self.bytes_left} more "
+                    f"bytes at most: what its header declares and {SLACK_BYTES} of slack"
                 )
             self.bytes_left -= size
         return size
