@@ -7,6 +7,10 @@ Request handling (all on the loop thread, never blocking it):
   (``add_reader``); each wake-up drains a batch of messages without blocking, and replies are
   sent directly, without per-message futures (ZeroMQ's descriptor is edge-triggered, so the
   loop looks for input again after every send);
+* on TCP, peers connect to the server's admission gate (:mod:`kvstore.server.gate`), which
+  relays each connection to the socket (listening on the loopback) and admits a frame only once
+  it fits the room per connection and in all: what peers make the server hold is bounded by its
+  settings. The loop tells the gate what it took from the socket;
 * ZeroMQ takes in at most :data:`RECV_QUEUE` messages per connection ahead of the loop
   (backpressure beyond) and drops a connection that sends a frame over the message limit
   (``KVSTORE_MAX_MESSAGE_BYTES``, by default the largest chunk of the workers' partition size,
@@ -77,12 +81,10 @@ RECV_QUEUE = 16
 
 On a ROUTER's inbound side a full queue is backpressure, not loss: libzmq stops reading that
 connection until the server has taken some of its messages, and TCP then holds the sender back.
-So what ZeroMQ buffers for one connection is at most this many messages of at most
-``max_message_bytes`` per frame (a legitimate message has one header and at most one payload
-frame: about 65 MiB with the default limit), instead of everything a peer cares to send
-(with no limit, a few strangers sending large frames could make a server hold gigabytes).
-The server drains its socket whenever it is readable, so a legitimate worker's pushes wait here
-only while the server is busy, and 16 chunks are more work than one drain does."""
+It counts finished messages only; the admission gate bounds the bytes (a message's frames wait
+in libzmq until its last one arrived). The server drains its socket whenever it is readable, so
+a legitimate worker's pushes wait here only while the server is busy, and 16 chunks are more
+work than one drain does."""
 
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "", "::"})
