@@ -33,7 +33,7 @@ exact sum. Each scenario prints one JSON line with its figures; none is judged h
 Every record also says whether each server was alive at the end and how many lines of its log
 are errors or tracebacks. Run it from the repository's root:
 
-    python -m benchmarks.probe_hostile --preset smoke     # about a minute
+    python -m benchmarks.probe_hostile --preset smoke     # under a minute
     python -m benchmarks.probe_hostile --preset full      # the issue's sizes: several minutes
     python -m benchmarks.probe_hostile --preset full --scenario many_frames
 """
@@ -72,16 +72,16 @@ from kvstore.wire import Op
 
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": {
-        "stranger_seconds": 3.0,
-        "malformed": 2_000,
-        "half_handshakes": 200,
-        "handshake_wait": 4.0,
-        "workers": 4,
+        "stranger_seconds": 2.0,
+        "malformed": 1_000,
+        "half_handshakes": 100,
+        "handshake_wait": 3.0,
+        "workers": 2,
         "servers": 1,
-        "many_seconds": 10.0,
+        "many_seconds": 4.0,
         "frame_runs": (48,),
-        "frame_seconds": 5.0,
-        "log_flood": 3_000,
+        "frame_seconds": 3.0,
+        "log_flood": 1_500,
     },
     "full": {
         "stranger_seconds": 30.0,

@@ -347,7 +347,7 @@ class AdmissionGate:
 
     def _accept(self, side: _ClientSide, transport: asyncio.Transport) -> None:
         peer = _peer_text(transport.get_extra_info("peername"))
-        if len(self._links) >= self.limits.max_connections:
+        if len(self._links) >= self.limits.max_connections and not self._make_room(peer):
             self._warn(
                 logger,
                 "connections",
@@ -366,6 +366,32 @@ class AdmissionGate:
         transport.pause_reading()  # until the relay's own connection is up
         assert self._loop is not None
         self._loop.create_task(self._connect(link))
+
+    def _make_room(self, peer: str) -> bool:
+        """Free a connection slot for a new peer, if one is held by a connection that holds no
+        room: a closed one not yet forgotten, else the oldest that has not finished its
+        handshake (so that connections opened and left half-way, which cost a stranger nothing,
+        cannot keep new peers out). False if every slot holds a connection in use."""
+        for link in self._links.values():
+            if link.client_closed and link.held == 0:
+                self._forget(link)
+                return True
+        for link in self._links.values():  # (oldest first)
+            if not link.messages_started and not link.client_closed:
+                self._warn(
+                    logger,
+                    link.peer_host,
+                    "closed the connection from %s to make room for %s: it had not finished its "
+                    "handshake and the server has %s connections (KVSTORE_MAX_CONNECTIONS)",
+                    link.peer,
+                    peer,
+                    str(self.limits.max_connections),
+                )
+                self.closed_connections += 1
+                link.abort()
+                self._forget(link)
+                return True
+        return False
 
     def _allocate_address(self) -> str:
         while True:

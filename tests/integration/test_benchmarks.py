@@ -497,12 +497,12 @@ def test_hostile_input_probe_smoke():
 
     half = by_scenario["half_handshakes"]
     ends = ("failed_to_connect", "closed_at_once", "closed_later")
-    assert sum(half[name] for name in ends) + half["still_open_after_s"]["open"] == 200, half
-    assert half["fresh_connection_answered_during_flood"], half  # 200: under the connection limit
+    assert sum(half[name] for name in ends) + half["still_open_after_s"]["open"] == 100, half
+    assert half["fresh_connection_answered_during_flood"], half
     assert half["fresh_connection_answered_after_wait"], half
 
     many = by_scenario["many_workers"]
-    assert many["workers"] == 4 and many["job"]["rounds"] > 0, many
+    assert many["workers"] == 2 and many["job"]["rounds"] > 0, many
 
     (attack,) = frames
     assert attack["frames_per_message"] == 48 and attack["bytes_offered"] > 0, attack

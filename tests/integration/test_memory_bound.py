@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from kvtest import connect, run_ranks, start_servers, stop_processes
+from kvtest import RawClient, connect, run_ranks, start_servers, stop_processes
 
 from kvstore import wire
 from kvstore.auth import CURVE_MESSAGE_OVERHEAD, JobKeys, role_env
@@ -173,40 +173,59 @@ def test_many_frame_senders_leave_the_server_within_its_bound(
     assert "unexpected error" not in text, text[-3000:]
 
 
+def _answered_ping(address: str, timeout: float = 10.0) -> bool:
+    """Whether a new peer's PING is answered (an error reply: it has no session)."""
+    client = RawClient(address)
+    try:
+        client.send("PING")
+        try:
+            return client.receive(timeout=timeout).op is Op.ERROR
+        except TimeoutError:
+            return False
+    finally:
+        client.close()
+
+
 def test_connections_over_the_limit_are_closed_as_they_arrive(tmp_path: Path):
-    """A server of ``KVSTORE_MAX_CONNECTIONS=4`` closes the fifth connection at once, logs it, and
-    serves its 2-worker job (four connections) once others left."""
+    """A server of ``KVSTORE_MAX_CONNECTIONS=4`` with four peers in use closes a fifth connection
+    at once and logs it; connections left half-way through their handshake do not keep a new
+    peer out: the oldest makes room."""
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
         (server,) = start_servers(
             1, 2, env={"KVSTORE_MAX_CONNECTIONS": "4", "KVSTORE_LOG_LEVEL": "WARNING"}, stderr=log
         )
     host, port = server.address.removeprefix("tcp://").rsplit(":", 1)
-    held = []
+    in_use: list[RawClient] = []
+    stalled: list[socket.socket] = []
     try:
-        for _ in range(4):
-            held.append(socket.create_connection((host, int(port))))
+        for _ in range(4):  # four peers that sent a message
+            client = RawClient(server.address)
+            client.send("PING")
+            assert client.receive().op is Op.ERROR
+            in_use.append(client)
         extra = socket.create_connection((host, int(port)))
         extra.settimeout(10)
         assert extra.recv(1) == b""  # closed by the server, before any greeting
         extra.close()
-        for sock in held:
-            sock.close()
-        held.clear()
-        deadline = time.monotonic() + 30
-        while True:  # the gate forgets a closed connection after a grace period
-            try:
-                _exact_sums(server.address, rounds=1)
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        for client in in_use:
+            client.close()
+        in_use.clear()
+        for _ in range(8):  # half a greeting each, then nothing
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(b"\xff" + bytes(8) + b"\x7f")
+            stalled.append(sock)
+        assert _answered_ping(server.address)  # a stalled connection made room
+        _exact_sums(server.address, rounds=1)  # a job's four connections too
     finally:
-        for sock in held:
+        for client in in_use:
+            client.close()
+        for sock in stalled:
             sock.close()
         stop_processes([server.process])
-    assert "refused a connection from 127.0.0.1" in log_path.read_text()
+    text = log_path.read_text()
+    assert "refused a connection from 127.0.0.1" in text, text
+    assert "it had not finished its handshake" in text, text
 
 
 def test_a_message_with_more_frames_than_its_header_declares_closes_its_connection(
