@@ -30,11 +30,13 @@ except ImportError as exc:
 from kvstore.torch.broadcast import broadcast_parameters, synchronize_buffers
 from kvstore.torch.buckets import BucketPlanSpec, Planner
 from kvstore.torch.ddp import DDPHookState, ddp_comm_hook
+from kvstore.torch.diloco import DiLoCo
 from kvstore.torch.optimizer import DistributedOptimizer, ServerOptimizerSpec
 
 __all__ = [
     "BucketPlanSpec",
     "DDPHookState",
+    "DiLoCo",
     "DistributedOptimizer",
     "Planner",
     "ServerOptimizerSpec",

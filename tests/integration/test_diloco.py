@@ -1,0 +1,414 @@
+"""``kvstore.torch.DiLoCo`` through real servers, against oracles computed here.
+
+Two workers are threads of this process, each with its own model, inner optimizer and store
+connected to two ``kvstore-server`` processes. The oracle runs the same job in one process: each
+worker's inner steps with the same torch optimizer on the same batches, and at each sync the
+servers' arithmetic written out in float32 (the pseudo-gradients' sum, then the outer update as
+``server/optimizers.py`` writes it, MXNet's formulas). With two workers the servers' sum
+``a + b`` is exact and commutative, so DiLoCo must equal that oracle bit for bit.
+
+The textbook forms of the same algorithms (synchronous SGD on the mean gradient, the mean of the
+local models) are compared too, within a bound of a few units in the last place (ulp): the
+pseudo-gradient ``θ - θ_local`` is exact (Sterbenz) only where ``θ_local`` is within a factor
+two of ``θ``, and ``θ_local = fl(θ - ηg)`` itself was rounded, so the outer step's
+``θ - mean(Δ)`` and the textbook ``θ - η mean(g)`` or ``mean(x)`` round differently: each of
+(1) ``θ_local``, (2) ``Δ``, (3) the sum of the ``Δ`` and (4) the final subtraction contributes at
+most half an ulp of the largest magnitude involved, and the textbook form one more.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from kvtest import connect, run_ranks
+
+import kvstore.torch as kvt
+from kvstore.errors import UsageError
+
+pytestmark = pytest.mark.integration
+
+WORKERS = 2
+INNER_LR = 0.1
+THRESHOLD = 2.0**-6  # a power of two: sums of +-t and their halves are exact in float32
+ULP_BOUND = 3
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 16)
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x)))
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def loss_of(model: Net, rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 6, generator=gen)
+    y = torch.randint(0, 3, (8,), generator=gen)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def inner_sgd(model: Net, momentum: float = 0.0) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=INNER_LR, momentum=momentum)
+
+
+def f32(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+# the servers' outer updates, in float32 (server/optimizers.py; wd = 0, no clipping) -------------
+
+
+def outer_sgd(lr: float) -> Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]:
+    """``w = (1 - lr*wd) * w - lr * (rescale * g)``."""
+
+    def update(i: int, w: torch.Tensor, g: torch.Tensor, state: dict) -> torch.Tensor:
+        decay = f32(1.0) - f32(lr) * f32(0.0)
+        return decay * w - f32(lr) * (f32(1.0 / WORKERS) * g)
+
+    return update
+
+
+def outer_nag(lr: float, momentum: float):
+    """MXNet's NAG, per key ``i``::
+
+    g' = rescale*g + wd*w;  mom = momentum*mom + g';  w = w - lr*(g' + momentum*mom)
+    """
+
+    def update(i: int, w: torch.Tensor, g: torch.Tensor, state: dict) -> torch.Tensor:
+        gi = f32(1.0 / WORKERS) * g + f32(0.0) * w
+        # The momentum starts at zero: its first value is g'.
+        mom = state[i] = gi.clone() if i not in state else f32(momentum) * state[i] + gi
+        return w - f32(lr) * (gi + f32(momentum) * mom)
+
+    return update
+
+
+def two_bit(residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The 2-bit codec's encode-then-decode with error feedback (codecs/twobit): updates the
+    residual in place and returns what the servers receive."""
+    residual.add_(delta)
+    plus = residual >= THRESHOLD
+    minus = residual <= -THRESHOLD
+    sent = torch.zeros_like(residual)
+    sent[plus] = THRESHOLD
+    sent[minus] = -THRESHOLD
+    residual[plus] -= THRESHOLD
+    residual[minus] += THRESHOLD
+    return sent
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    a = x.abs()
+    return torch.nextafter(a, torch.full_like(a, float("inf"))) - a
+
+
+def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, *scales: torch.Tensor) -> None:
+    scale = torch.stack([t.abs() for t in (got, want, *scales)]).amax(dim=0)
+    bound = ULP_BOUND * ulp(scale)
+    excess = (got - want).abs() - bound
+    assert excess.max() <= 0, f"off by more than {ULP_BOUND} ulp: {excess.max()}"
+
+
+class Oracle:
+    """The job in one process; ``residuals[rank]`` per parameter with a 2-bit push codec."""
+
+    def __init__(
+        self, start: Net, *, sync_every: int, outer, inner_momentum=0.0, codec=False, fp16=False
+    ):
+        self.models = [copy.deepcopy(start) for _ in range(WORKERS)]
+        self.opts = [inner_sgd(m, inner_momentum) for m in self.models]
+        self.theta = [p.detach().clone() for p in start.parameters()]  # as the workers hold it
+        self.server = [t.clone() for t in self.theta]  # the servers' weights
+        self.fp16 = fp16
+        self.sync_every = sync_every
+        self.outer = outer
+        self.outer_state: dict = {}
+        self.codec = codec
+        self.residuals = [[torch.zeros_like(t) for t in self.theta] for _ in range(WORKERS)]
+        self.checks: list[Callable[[list[torch.Tensor]], None]] = []
+
+    def run(self, steps: range) -> None:
+        for step in steps:
+            for rank, (model, opt) in enumerate(zip(self.models, self.opts, strict=True)):
+                opt.zero_grad()
+                loss_of(model, rank, step).backward()
+                opt.step()
+            if (step + 1) % self.sync_every == 0:
+                self.sync()
+
+    def sync(self) -> None:
+        previous = self.theta
+        sums = [torch.zeros_like(t) for t in previous]
+        for rank, model in enumerate(self.models):
+            for i, (theta, param) in enumerate(zip(previous, model.parameters(), strict=True)):
+                delta = theta - param.detach()
+                sums[i] += two_bit(self.residuals[rank][i], delta) if self.codec else delta
+        self.server = [
+            self.outer(i, w, g, self.outer_state)
+            for i, (w, g) in enumerate(zip(self.server, sums, strict=True))
+        ]
+        if self.fp16:  # fp16 pulls: w_pub += float32(fp16(w - w_pub)), the rest goes later
+            self.theta = [
+                theta + (w - theta).half().float()
+                for theta, w in zip(previous, self.server, strict=True)
+            ]
+        else:
+            self.theta = [w.clone() for w in self.server]
+        for check in self.checks:
+            check(previous)
+        for model in self.models:
+            with torch.no_grad():
+                for param, theta in zip(model.parameters(), self.theta, strict=True):
+                    param.copy_(theta)
+
+
+def train(addresses, models, steps, *, sync_every, outer, inner_momentum=0.0, pull=None, **options):
+    """Each rank trains its model in place with a DiLoCo; returns each rank's wrapper state."""
+
+    def rank_job(rank: int):
+        model = models[rank]
+        with connect(addresses, rank, WORKERS) as kv:
+            if pull is not None:
+                kv.set_pull_compression(pull)
+            opt = kvt.DiLoCo(
+                inner_sgd(model, inner_momentum),
+                model.named_parameters(),
+                kv=kv,
+                sync_every=sync_every,
+                outer=outer,
+                **options,
+            )
+            for step in steps:
+                opt.zero_grad()
+                loss_of(model, rank, step).backward()
+                opt.step()
+            return opt.steps, [t.clone() for t in opt.outer_weights], opt.state_dict()
+
+    return run_ranks(WORKERS, rank_job)
+
+
+def assert_models_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+
+
+@pytest.fixture
+def addresses(two_servers_two_workers):
+    return two_servers_two_workers
+
+
+def test_one_inner_step_per_sync_is_synchronous_sgd(addresses):
+    """H = 1, plain SGD inside, outer SGD lr 1: each step is one step of synchronous SGD on the
+    mean gradient (exactly the servers' arithmetic; the textbook step within the ulp bound)."""
+    start = make_net()
+    oracle = Oracle(start, sync_every=1, outer=outer_sgd(1.0))
+    textbook: list[torch.Tensor] = []
+
+    def synchronous_sgd(previous: list[torch.Tensor]) -> None:
+        # Every worker's model held θ before its step: its gradient is at θ.
+        for i, theta in enumerate(previous):
+            grads = [list(m.parameters())[i].grad for m in oracle.models]
+            want = theta - INNER_LR * ((grads[0] + grads[1]) / WORKERS)
+            locals_ = [list(m.parameters())[i].detach() for m in oracle.models]
+            assert_within_ulps(oracle.theta[i], want, theta, *locals_)
+            textbook.append(want)
+
+    oracle.checks.append(synchronous_sgd)
+    oracle.run(range(6))
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+    results = train(addresses, models, range(6), sync_every=1, outer=("sgd", {"learning_rate": 1}))
+    for model, (steps, theta, _) in zip(models, results, strict=True):
+        assert steps == 6
+        assert_models_equal(model, oracle.models[0])
+        for got, want in zip(theta, oracle.theta, strict=True):
+            assert torch.equal(got, want)
+    assert textbook and not torch.equal(oracle.theta[0], start.inp.weight.detach())
+
+
+def test_five_inner_steps_per_sync_average_the_local_models(addresses):
+    """H = 5, outer SGD lr 1: every 5 steps both workers continue from the mean of their
+    local models (the textbook mean within the ulp bound); between syncs they differ."""
+    start = make_net()
+    oracle = Oracle(start, sync_every=5, outer=outer_sgd(1.0))
+
+    def model_average(previous: list[torch.Tensor]) -> None:
+        for i, theta in enumerate(previous):
+            locals_ = [list(m.parameters())[i].detach() for m in oracle.models]
+            want = (locals_[0] + locals_[1]) / WORKERS
+            assert_within_ulps(oracle.theta[i], want, theta, *locals_)
+
+    oracle.checks.append(model_average)
+    oracle.run(range(12))  # two syncs, then two local steps
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+    results = train(addresses, models, range(12), sync_every=5, outer=("sgd", {"learning_rate": 1}))
+    for model, expected in zip(models, oracle.models, strict=True):
+        assert_models_equal(model, expected)
+    assert not torch.equal(models[0].inp.weight, models[1].inp.weight), "local steps differ"
+    for _, theta, _ in results:
+        for got, want in zip(theta, oracle.theta, strict=True):
+            assert torch.equal(got, want)
+
+
+def test_outer_nesterov_is_the_servers_nag_on_the_mean_pseudo_gradient(addresses):
+    """The paper's outer step (lr 0.7, momentum 0.9, Nesterov), H = 3, inner SGD with momentum
+    (its state kept across syncs): equal to the oracle's NAG bit for bit."""
+    start = make_net()
+    oracle = Oracle(start, sync_every=3, outer=outer_nag(0.7, 0.9), inner_momentum=0.9)
+    oracle.run(range(10))
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+    outer = ("sgd", {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True})
+    results = train(addresses, models, range(10), sync_every=3, outer=outer, inner_momentum=0.9)
+    for model, expected in zip(models, oracle.models, strict=True):
+        assert_models_equal(model, expected)
+    for _, theta, state in results:
+        for got, want in zip(theta, oracle.theta, strict=True):
+            assert torch.equal(got, want)
+        assert state["state"], "the inner momentum buffers are kept"
+    # Outer lr 1 without momentum would have given another model.
+    plain = Oracle(start, sync_every=3, outer=outer_sgd(1.0), inner_momentum=0.9)
+    plain.run(range(10))
+    assert not torch.equal(plain.theta[0], oracle.theta[0])
+
+
+def test_compressed_pseudo_gradients_keep_their_error_feedback_across_syncs(addresses):
+    """2-bit pushes: what each worker sent plus its residual is the sum of its pseudo-gradients;
+    the residual left by one sync goes into the next one's push (the oracle's residuals equal
+    the store's codec state, and its θ the servers')."""
+    start = make_net()
+    oracle = Oracle(start, sync_every=2, outer=outer_sgd(1.0), codec=True)
+    pseudo_gradients = [[torch.zeros_like(t) for t in oracle.theta] for _ in range(WORKERS)]
+    carried: list[bool] = []
+
+    def bookkeeping(previous: list[torch.Tensor]) -> None:
+        for rank, model in enumerate(oracle.models):
+            for i, param in enumerate(model.parameters()):
+                pseudo_gradients[rank][i] += previous[i] - param.detach()
+        carried.append(any(bool(r.abs().sum() > 0) for r in oracle.residuals[0]))
+
+    oracle.checks.append(bookkeeping)
+    oracle.run(range(6))
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+    compression = {"type": "2bit", "threshold": THRESHOLD}
+    results = train(
+        addresses,
+        models,
+        range(6),
+        sync_every=2,
+        outer=("sgd", {"learning_rate": 1}),
+        compression=compression,
+    )
+    sent_by_workers = [torch.zeros_like(t) for t in oracle.theta]
+    for rank, (model, (_, theta, state)) in enumerate(zip(models, results, strict=True)):
+        assert_models_equal(model, oracle.models[rank])
+        for got, want in zip(theta, oracle.theta, strict=True):
+            assert torch.equal(got, want)
+        keys = state["kvstore_codec_state"]["keys"]
+        for i, key in enumerate(keys):
+            (chunk,) = key["chunks"]
+            residual = chunk["state"]["residual"].view(oracle.theta[i].shape)
+            assert torch.equal(residual, oracle.residuals[rank][i]), key["key"]
+            # What the worker sent over the 3 syncs: whole quanta of t, at most one a sync.
+            sent = pseudo_gradients[rank][i] - residual
+            quanta = sent / THRESHOLD
+            torch.testing.assert_close(quanta, quanta.round(), rtol=0, atol=1e-3)
+            assert quanta.abs().max() <= 3.001
+            sent_by_workers[i] += sent
+    assert all(carried), "every sync leaves a residual for the next"
+    # The servers' θ moved by the mean of what was sent (outer SGD lr 1): sent plus residual is
+    # the pseudo-gradients, the residuals being the store's own.
+    start_theta = [p.detach() for p in start.parameters()]
+    for begin, end, sent in zip(start_theta, results[0][1], sent_by_workers, strict=True):
+        torch.testing.assert_close(WORKERS * (begin - end), sent, rtol=0, atol=1e-5)
+        assert sent.abs().max() > 0
+
+
+def test_pull_compression_gives_the_weights_the_workers_hold(addresses):
+    """fp16 pulls: the workers' θ is the servers' published ``w_pub`` (the servers' weights
+    plus what the fp16 differences left out), and each pseudo-gradient starts from it."""
+    start = make_net()
+    oracle = Oracle(start, sync_every=2, outer=outer_nag(0.7, 0.9), fp16=True)
+    oracle.run(range(6))
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+    outer = ("sgd", {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True})
+    results = train(addresses, models, range(6), sync_every=2, outer=outer, pull={"type": "fp16"})
+    for model, expected in zip(models, oracle.models, strict=True):
+        assert_models_equal(model, expected)
+    for _, theta, _ in results:
+        for got, want in zip(theta, oracle.theta, strict=True):
+            assert torch.equal(got, want)
+    assert any(not torch.equal(a, b) for a, b in zip(oracle.theta, oracle.server, strict=True))
+
+
+def test_state_dict_and_checkpoint_resume_bit_identically(addresses, tmp_path):
+    """Saved mid-round (after 4 steps, H = 3) with the model's and DiLoCo's state dicts and
+    ``kv.save_checkpoint`` (outer momentum, θ on the servers, 2-bit residuals), a new job of
+    fresh objects continues exactly as the job that went on."""
+    start = make_net()
+    first = [copy.deepcopy(start) for _ in range(WORKERS)]
+    second = [make_net(seed=7) for _ in range(WORKERS)]
+    saved: list[dict] = [{} for _ in range(WORKERS)]
+    store = tmp_path / "store"
+    outer = ("sgd", {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True})
+
+    def run(rank: int, model: Net, steps: range, resume: bool) -> None:
+        with connect(addresses, rank, WORKERS) as kv:
+            opt = kvt.DiLoCo(
+                inner_sgd(model, 0.9),
+                model.named_parameters(),
+                kv=kv,
+                sync_every=3,
+                outer=outer,
+                compression={"type": "2bit", "threshold": THRESHOLD},
+            )
+            if resume:  # after construction, which pulls rank 0's parameters
+                model.load_state_dict(saved[rank]["model"])
+                opt.load_state_dict(saved[rank]["optimizer"])
+                kv.load_checkpoint(store)
+                assert opt.steps == 4
+            for step in steps:
+                if step == 4 and not resume:
+                    saved[rank]["model"] = copy.deepcopy(model.state_dict())
+                    saved[rank]["optimizer"] = copy.deepcopy(opt.state_dict())
+                    kv.save_checkpoint(store)
+                opt.zero_grad()
+                loss_of(model, rank, step).backward()
+                opt.step()
+
+    run_ranks(WORKERS, lambda rank: run(rank, first[rank], range(10), False))
+    run_ranks(WORKERS, lambda rank: run(rank, second[rank], range(4, 10), True))
+    for a, b in zip(first, second, strict=True):
+        assert_models_equal(a, b)
+    assert not torch.equal(first[0].inp.weight, start.inp.weight)
+
+
+def test_bad_arguments_are_refused_before_anything_is_sent(addresses):
+    def rank_job(rank: int) -> None:
+        model = make_net()
+        with connect(addresses, rank, WORKERS) as kv:
+            sgd = inner_sgd(model)
+            with pytest.raises(ValueError, match="fragments=1 and overlap=0 only"):
+                kvt.DiLoCo(sgd, model.named_parameters(), kv=kv, sync_every=4, fragments=2)
+            with pytest.raises(ValueError, match="fragments=1 and overlap=0 only"):
+                kvt.DiLoCo(sgd, model.named_parameters(), kv=kv, sync_every=4, overlap=1)
+            with pytest.raises(ValueError, match="sync_every must be an int >= 1"):
+                kvt.DiLoCo(sgd, model.named_parameters(), kv=kv, sync_every=0)
+            with pytest.raises(TypeError, match="outer must be a name"):
+                kvt.DiLoCo(sgd, model.named_parameters(), kv=kv, outer=("sgd", 0.7))
+            with pytest.raises(UsageError, match="fixed when it is made"):
+                opt = kvt.DiLoCo(sgd, model.named_parameters(), kv=kv, sync_every=2)
+                opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+            with pytest.raises(ValueError, match="not a DiLoCo's"):
+                opt.load_state_dict(sgd.state_dict())
+
+    run_ranks(WORKERS, rank_job)
