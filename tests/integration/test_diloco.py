@@ -19,6 +19,7 @@ most half an ulp of the largest magnitude involved, and the textbook form one mo
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import pytest
@@ -94,6 +95,28 @@ def outer_nag(lr: float, momentum: float):
     return update
 
 
+def outer_adam(lr: float, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8):
+    """``g' = rescale*g + wd*w; m = b1*m + (1-b1)*g'; v = b2*v + (1-b2)*g'*g';
+    w = w - lr_t*m/(sqrt(v) + eps)`` with ``lr_t = lr*sqrt(1 - b2^t)/(1 - b1^t)`` computed in
+    double and rounded to float32, ``t`` counting the key's updates from 1."""
+
+    def update(i: int, w: torch.Tensor, g: torch.Tensor, state: dict) -> torch.Tensor:
+        t, m, v = state.get(i, (0, torch.zeros_like(w), torch.zeros_like(w)))
+        t += 1
+        gi = f32(1.0 / WORKERS) * g + f32(0.0) * w
+        b1, b2 = f32(beta1), f32(beta2)
+        m = b1 * m + (f32(1.0) - b1) * gi
+        v = b2 * v + (f32(1.0) - b2) * gi * gi
+        state[i] = (t, m, v)
+        lr_t = f32(lr * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t))
+        # The servers' float32 sqrt is correctly rounded; torch's vectorized float32 sqrt on
+        # the CPU is not always, while the double sqrt rounded to float32 is.
+        root = torch.sqrt(v.double()).float()
+        return w - lr_t * m / (root + f32(epsilon))
+
+    return update
+
+
 def two_bit(residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """The 2-bit codec's encode-then-decode with error feedback (codecs/twobit): updates the
     residual in place and returns what the servers receive."""
@@ -124,10 +147,19 @@ class Oracle:
     """The job in one process; ``residuals[rank]`` per parameter with a 2-bit push codec."""
 
     def __init__(
-        self, start: Net, *, sync_every: int, outer, inner_momentum=0.0, codec=False, fp16=False
+        self,
+        start: Net,
+        *,
+        sync_every: int,
+        outer,
+        inner_momentum=0.0,
+        codec=False,
+        fp16=False,
+        inner=None,
     ):
         self.models = [copy.deepcopy(start) for _ in range(WORKERS)]
-        self.opts = [inner_sgd(m, inner_momentum) for m in self.models]
+        make_inner = inner or (lambda model: inner_sgd(model, inner_momentum))
+        self.opts = [make_inner(m) for m in self.models]
         self.theta = [p.detach().clone() for p in start.parameters()]  # as the workers hold it
         self.server = [t.clone() for t in self.theta]  # the servers' weights
         self.fp16 = fp16
@@ -173,7 +205,18 @@ class Oracle:
                     param.copy_(theta)
 
 
-def train(addresses, models, steps, *, sync_every, outer, inner_momentum=0.0, pull=None, **options):
+def train(
+    addresses,
+    models,
+    steps,
+    *,
+    sync_every,
+    outer,
+    inner_momentum=0.0,
+    pull=None,
+    inner=None,
+    **options,
+):
     """Each rank trains its model in place with a DiLoCo; returns each rank's wrapper state."""
 
     def rank_job(rank: int):
@@ -182,7 +225,7 @@ def train(addresses, models, steps, *, sync_every, outer, inner_momentum=0.0, pu
             if pull is not None:
                 kv.set_pull_compression(pull)
             opt = kvt.DiLoCo(
-                inner_sgd(model, inner_momentum),
+                inner(model) if inner is not None else inner_sgd(model, inner_momentum),
                 model.named_parameters(),
                 kv=kv,
                 sync_every=sync_every,
@@ -279,6 +322,27 @@ def test_outer_nesterov_is_the_servers_nag_on_the_mean_pseudo_gradient(addresses
     plain = Oracle(start, sync_every=3, outer=outer_sgd(1.0), inner_momentum=0.9)
     plain.run(range(10))
     assert not torch.equal(plain.theta[0], oracle.theta[0])
+
+
+def test_outer_adam_with_adamw_inside(addresses):
+    """The servers' Adam as the outer step over AdamW inner steps (whose moments and step
+    counts stay on each worker across syncs): equal to the oracle bit for bit."""
+
+    def adamw(model: Net) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.1)
+
+    start = make_net()
+    oracle = Oracle(start, sync_every=4, outer=outer_adam(0.05), inner=adamw)
+    oracle.run(range(9))
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+    outer = ("adam", {"learning_rate": 0.05})
+    results = train(addresses, models, range(9), sync_every=4, outer=outer, inner=adamw)
+    for model, expected in zip(models, oracle.models, strict=True):
+        assert_models_equal(model, expected)
+    for _, theta, state in results:
+        for got, want in zip(theta, oracle.theta, strict=True):
+            assert torch.equal(got, want)
+        assert all(int(s["step"]) == 9 for s in state["state"].values())
 
 
 def test_compressed_pseudo_gradients_keep_their_error_feedback_across_syncs(addresses):
