@@ -307,8 +307,9 @@ class DiLoCo(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of :meth:`state_dict`: the inner optimizer's state, the step
         count, the outer weights and this worker's codec state (into the store). The wrapper's
-        ``sync_every`` and outer optimizer are kept as constructed. Nothing changes when a
-        check fails.
+        ``sync_every`` and outer optimizer are kept as constructed (a schedule changed with
+        :meth:`update_outer_optimizer` is the caller's to restore: the saved hyperparameters
+        are ``state_dict["kvstore_diloco"]["outer"]``). Nothing changes when a check fails.
 
         Raises:
             ValueError: it was not saved by a DiLoCo, or by one over other parameters or keys,

@@ -345,6 +345,36 @@ def test_outer_adam_with_adamw_inside(addresses):
         assert all(int(s["step"]) == 9 for s in state["state"].values())
 
 
+def test_update_outer_optimizer_changes_the_next_outer_steps(addresses):
+    """A schedule of the outer learning rate: lr 1 for the first sync, 0.5 for the second."""
+    start = make_net()
+    oracle = Oracle(start, sync_every=2, outer=outer_sgd(1.0))
+    oracle.run(range(2))
+    oracle.outer = outer_sgd(0.5)
+    oracle.run(range(2, 4))
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+
+    def rank_job(rank: int) -> dict:
+        model = models[rank]
+        with connect(addresses, rank, WORKERS) as kv:
+            opt = kvt.DiLoCo(
+                inner_sgd(model), model.named_parameters(), kv=kv, sync_every=2, outer="sgd"
+            )
+            opt.update_outer_optimizer(learning_rate=1.0)
+            for step in range(4):
+                if step == 2:
+                    opt.update_outer_optimizer(learning_rate=0.5)
+                opt.zero_grad()
+                loss_of(model, rank, step).backward()
+                opt.step()
+            return opt.state_dict()["kvstore_diloco"]["outer"]
+
+    for outer in run_ranks(WORKERS, rank_job):
+        assert outer == ["sgd", {"rescale_grad": 1 / WORKERS, "learning_rate": 0.5}]
+    for model, expected in zip(models, oracle.models, strict=True):
+        assert_models_equal(model, expected)
+
+
 def test_compressed_pseudo_gradients_keep_their_error_feedback_across_syncs(addresses):
     """2-bit pushes: what each worker sent plus its residual is the sum of its pseudo-gradients;
     the residual left by one sync goes into the next one's push (the oracle's residuals equal
