@@ -23,9 +23,17 @@ servers' ``nesterov=True`` is MXNet's NAG, which for ``wd=0`` is torch's
 A pseudo-gradient is a push and ``θ`` is a pull: nothing new travels on the wire, and the
 servers need not know that a round is an outer step.
 
-Limits of this module: ``dist_sync`` (and ``local``) stores only; the whole model syncs at once
-(``fragments=1``, ``overlap=0``); buffers (BatchNorm statistics) are not synchronized (see
-:class:`DiLoCo`).
+Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"):
+``fragments=F`` splits the keys into F contiguous fragments in layer order, balanced by element
+count, each synced every H steps at staggered steps (fragment ``f`` at the steps ``t`` with
+``(t - f*H/F) % H == 0``), which divides the bytes of one sync (the peak a link carries) by
+about F and keeps the total. ``overlap=τ`` pushes a fragment's ``Δ`` at its sync step and pulls
+its ``θ`` τ inner steps later, while the worker trains on; the late ``θ`` is then mixed with the
+fragment's local weights, ``θ_local ← (1 - α)·θ + α·θ_local`` (``mixing=α``, the paper's 0.5).
+
+Limits of this module: ``dist_sync`` (and ``local``) stores only; buffers (BatchNorm
+statistics) are not synchronized; :meth:`DiLoCo.state_dict` is refused while a fragment's round
+is in flight (see :class:`DiLoCo`).
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ DEFAULT_OUTER: ServerOptimizerSpec = (
     {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True},
 )
 """The paper's outer optimizer: Nesterov SGD, learning rate 0.7, momentum 0.9."""
+
+DEFAULT_MIXING = 0.5
+"""Streaming DiLoCo's mixing factor α for overlapped rounds (the paper's choice)."""
 
 DEFAULT_KEY_PREFIX = "kvt.diloco/"
 
@@ -96,11 +107,27 @@ class DiLoCo(torch.optim.Optimizer):
         compression: the push codec of the pseudo-gradients (``{"type": "topk", "ratio":
             0.01}``), with its error feedback; None: the store's
             (:meth:`kvstore.KVStore.set_gradient_compression`).
-        fragments: Streaming DiLoCo's number of fragments; only 1 (the whole model synced at
-            once) is supported by this class.
-        overlap: Streaming DiLoCo's inner steps overlapped with a sync; only 0 (each sync
-            completes inside the step that starts it) is supported by this class.
+        fragments: F, Streaming DiLoCo's number of fragments: the keys in ``named_parameters``
+            order cut into F contiguous groups, the cut whose largest group (in elements) is
+            smallest (:attr:`fragment_keys`). Fragment ``f`` syncs after the steps ``t`` with
+            ``(t - f*H/F) % H == 0``: every key once every H steps, one fragment every H/F
+            steps. H must be a multiple of F, and F at most the number of parameters.
+        overlap: τ, the inner steps a fragment's round travels while the worker trains on
+            (``0 <= τ < H/F``): ``Δ`` is pushed after the sync step ``t``, ``θ`` pulled after
+            step ``t + τ`` (the pull waits for the round). 0: each sync completes inside the
+            step that starts it.
+        mixing: α, used only when ``overlap > 0``: on the late pull the fragment's parameters
+            become ``(1 - α)·θ + α·θ_local`` (``θ_local``: after the τ steps; α = 0 drops them,
+            α = 1 keeps only them). With ``overlap=0`` the pulled ``θ`` replaces them.
         key_prefix: prepended to the parameter names to make the keys.
+
+    Each fragment's sync is the same round as the whole model's (push ``Δ`` of its keys, the
+    outer step on the servers, pull ``θ``), so the outer optimizer's per-key state is the
+    same; the start of the next ``Δ`` is the pulled ``θ``, not the mixed weights.
+
+    :meth:`state_dict` is refused while a round is in flight (after the sync step and before
+    its pull, with ``overlap > 0``): save after the steps ``t`` with ``t % (H/F) >= τ``, or
+    call :meth:`synchronize` first.
 
     Buffers (BatchNorm running statistics) are not synchronized: the store's optimizer applies
     to every key, and averaging buffers needs keys that it does not update.
@@ -122,6 +149,7 @@ class DiLoCo(torch.optim.Optimizer):
         compression: Mapping[str, Any] | None = None,
         fragments: int = 1,
         overlap: int = 0,
+        mixing: float = DEFAULT_MIXING,
         key_prefix: str = DEFAULT_KEY_PREFIX,
     ) -> None:
         # (torch.optim.Optimizer.__init__ is not called: the inner optimizer owns the parameter
@@ -133,11 +161,22 @@ class DiLoCo(torch.optim.Optimizer):
         _check_count("sync_every", sync_every, minimum=1)
         _check_count("fragments", fragments, minimum=1)
         _check_count("overlap", overlap, minimum=0)
-        if fragments != 1 or overlap != 0:
+        if sync_every % fragments != 0:
             raise ValueError(
-                f"DiLoCo syncs the whole model at once without overlap: it supports "
-                f"fragments=1 and overlap=0 only, got fragments={fragments}, overlap={overlap}"
+                f"sync_every must be a multiple of fragments (one fragment syncs every "
+                f"sync_every/fragments steps), got sync_every={sync_every}, fragments={fragments}"
             )
+        if overlap >= sync_every // fragments:
+            raise ValueError(
+                f"overlap must be < sync_every/fragments = {sync_every // fragments} (a round "
+                f"lands before the next fragment's starts), got overlap={overlap}"
+            )
+        if (
+            isinstance(mixing, bool)
+            or not isinstance(mixing, int | float)
+            or not 0.0 <= mixing <= 1.0
+        ):
+            raise ValueError(f"mixing must be a number in [0, 1], got {mixing!r}")
         if not isinstance(key_prefix, str):
             raise TypeError(f"key_prefix must be a str, got {type(key_prefix).__name__}")
         if kv.type not in SUPPORTED_STORES:
@@ -162,7 +201,19 @@ class DiLoCo(torch.optim.Optimizer):
         self._names = [name for name, _ in named]
         self._params = [param for _, param in named]
         self._keys = [key_prefix + name for name in self._names]
+        if fragments > len(self._params):
+            raise ValueError(
+                f"fragments must be at most the number of parameters ({len(self._params)}), "
+                f"got {fragments}"
+            )
+        self._overlap = overlap
+        self._mixing = float(mixing)
+        self._fragments = _contiguous_fragments([p.numel() for p in self._params], fragments)
         self._steps = 0
+        # The fragment whose Δ was pushed and whose θ is not pulled yet, and the step count
+        # after which it is pulled.
+        self._in_flight: int | None = None
+        self._pull_at = 0
 
         kv.set_optimizer(spec[0], **spec[1])
         kv.init(self._keys, [p.detach() for p in self._params], compression=self._compression)
@@ -208,9 +259,43 @@ class DiLoCo(torch.optim.Optimizer):
         return self._sync_every
 
     @property
+    def fragments(self) -> int:
+        """F: the number of fragments."""
+        return len(self._fragments)
+
+    @property
+    def fragment_keys(self) -> tuple[tuple[str, ...], ...]:
+        """The keys of each fragment, fragment 0 first (contiguous, in parameter order)."""
+        return tuple(tuple(self._keys[i] for i in fragment) for fragment in self._fragments)
+
+    @property
+    def overlap(self) -> int:
+        """τ: the inner steps between a fragment's push and its pull."""
+        return self._overlap
+
+    @property
+    def mixing(self) -> float:
+        """α: the weight of the local parameters when a late ``θ`` is mixed in."""
+        return self._mixing
+
+    @property
+    def round_in_flight(self) -> bool:
+        """Whether a fragment's ``Δ`` was pushed and its ``θ`` not pulled yet."""
+        return self._in_flight is not None
+
+    @property
     def steps(self) -> int:
-        """Inner steps taken (a sync follows every step whose count is a multiple of H)."""
+        """Inner steps taken (a fragment's sync follows every step whose count is a multiple
+        of H/F)."""
         return self._steps
+
+    def fragment_due(self, step: int) -> int | None:
+        """The fragment whose sync starts after inner step ``step`` (counted from 1): ``f``
+        with ``(step - f*H/F) % H == 0``, or None."""
+        stride = self._sync_every // len(self._fragments)
+        if step < 1 or step % stride != 0:
+            return None
+        return (step // stride) % len(self._fragments)
 
     @property
     def outer_weights(self) -> tuple[torch.Tensor, ...]:
@@ -226,31 +311,68 @@ class DiLoCo(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (
             f"DiLoCo({self._optimizer.__class__.__name__}, {len(self._keys)} keys, "
-            f"sync_every={self._sync_every}, outer={self._outer[0]!r})"
+            f"sync_every={self._sync_every}, fragments={len(self._fragments)}, "
+            f"overlap={self._overlap}, outer={self._outer[0]!r})"
         )
 
     # steps -------------------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One inner step (the inner optimizer's ``step``); after every ``sync_every``-th,
-        :meth:`synchronize` (collective). Returns the closure's loss, if any."""
+        """One inner step (the inner optimizer's ``step``); then, on the schedule, the pull of
+        the round in flight and the start of a fragment's sync (collective). Returns the
+        closure's loss, if any."""
         loss = self._optimizer.step() if closure is None else self._optimizer.step(closure)
         self._steps += 1
-        if self._steps % self._sync_every == 0:
-            self.synchronize()
+        if self._in_flight is not None and self._steps >= self._pull_at:
+            self._finish_round()
+        fragment = self.fragment_due(self._steps)
+        if fragment is not None:
+            self._start_round(fragment)
+            if self._overlap == 0:
+                self._finish_round()
         return loss
 
     def synchronize(self) -> None:
-        """The outer step: push ``Δ = θ - θ_local`` of every key, pull the servers' new ``θ``
-        into the parameters (collective: :meth:`step` calls it every ``sync_every`` steps; a
-        call of one's own must be made by every worker at the same point)."""
-        with torch.no_grad():
-            for theta, param, delta in zip(self._theta, self._params, self._deltas, strict=True):
-                torch.sub(theta, param.detach(), out=delta)
-        # The pull waits for this worker's pushes of the keys, so ``delta`` is not written
-        # again before the store is done with it.
-        self._kv.push(self._keys, self._deltas)
+        """An outer step of the whole model now: the round in flight, if any, lands first (its
+        ``θ`` mixed in), then every key pushes ``Δ = θ - θ_local`` and pulls the servers' new
+        ``θ`` into the parameters. Collective: every worker calls it at the same point (after
+        the last step of a run, it lands the last round and syncs what the schedule has not
+        yet synced)."""
+        if self._in_flight is not None:
+            self._finish_round()
+        self._push_deltas(range(len(self._keys)))
         self._pull_outer_weights()
+
+    def _start_round(self, fragment: int) -> None:
+        self._push_deltas(self._fragments[fragment])
+        self._in_flight = fragment
+        self._pull_at = self._steps + self._overlap
+
+    def _push_deltas(self, indices: Iterable[int]) -> None:
+        indices = list(indices)
+        with torch.no_grad():
+            for i in indices:
+                torch.sub(self._theta[i], self._params[i].detach(), out=self._deltas[i])
+        # The push encodes (copies) the values before it returns, and the round's pull waits
+        # for this worker's pushes of the keys; a key's ``delta`` is written again only at its
+        # next sync, after that pull.
+        self._kv.push([self._keys[i] for i in indices], [self._deltas[i] for i in indices])
+
+    def _finish_round(self) -> None:
+        fragment = self._in_flight
+        assert fragment is not None
+        indices = self._fragments[fragment]
+        self._kv.pull([self._keys[i] for i in indices], out=[self._theta[i] for i in indices])
+        self._in_flight = None
+        with torch.no_grad():
+            for i in indices:
+                param, theta = self._params[i], self._theta[i]
+                if self._overlap == 0:
+                    param.copy_(theta)
+                else:
+                    # Streaming DiLoCo's mix: the outer result, late by τ steps, and the
+                    # weights those τ steps reached.
+                    param.mul_(self._mixing).add_(theta * (1.0 - self._mixing))
 
     def _pull_outer_weights(self) -> None:
         self._kv.pull(self._keys, out=self._theta)
@@ -281,7 +403,8 @@ class DiLoCo(torch.optim.Optimizer):
 
         - ``"kvstore_diloco"``: the parameter names (checked by :meth:`load_state_dict`),
           ``sync_every``, the outer optimizer, the compression, the inner steps taken and the
-          outer weights ``θ`` last pulled (CPU tensors: the start of the pending ``Δ``);
+          outer weights ``θ`` last pulled (CPU tensors: the start of the pending ``Δ``),
+          ``fragments``, ``overlap`` and ``mixing``;
         - ``"kvstore_codec_state"``: this worker's codec state of the keys (error-feedback
           residuals and the like, :meth:`kvstore.KVStore.codec_state`).
 
@@ -291,7 +414,20 @@ class DiLoCo(torch.optim.Optimizer):
         this order: make the ``DiLoCo`` (collective; it pulls rank 0's parameters into the
         model), then ``model.load_state_dict``, :meth:`load_state_dict` and
         ``kv.load_checkpoint``.
+
+        Raises:
+            UsageError: a fragment's round is in flight (``overlap > 0``, between its push and
+                its pull): its ``θ`` is not on this worker yet and the servers' round may be
+                incomplete, so no saved state could resume it. Save after a step ``t`` with
+                ``t % (H/F) >= overlap``, or after :meth:`synchronize`.
         """
+        if self._in_flight is not None:
+            raise UsageError(
+                f"DiLoCo.state_dict: fragment {self._in_flight}'s round is in flight (pulled "
+                f"after step {self._pull_at}, now {self._steps}); save after a step t with "
+                f"t % {self._sync_every // len(self._fragments)} >= {self._overlap} "
+                f"(overlap), or call synchronize() first"
+            )
         state = self._optimizer.state_dict()
         state[STATE_ENTRY] = {
             "parameters": list(self._names),
@@ -300,23 +436,34 @@ class DiLoCo(torch.optim.Optimizer):
             "compression": self._compression,
             "steps": self._steps,
             "outer_weights": [theta.detach().cpu().clone() for theta in self._theta],
+            "fragments": len(self._fragments),
+            "overlap": self._overlap,
+            "mixing": self._mixing,
         }
         state[CODEC_STATE_ENTRY] = _as_tensors(self._kv.codec_state(self._keys))
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of :meth:`state_dict`: the inner optimizer's state, the step
-        count, the outer weights and this worker's codec state (into the store). The wrapper's
-        ``sync_every`` and outer optimizer are kept as constructed (a schedule changed with
+        count, the outer weights and this worker's codec state (into the store). The state must
+        come from a DiLoCo with the same ``fragments`` and ``overlap`` (they decide which round
+        the step count leaves pending). The wrapper's ``sync_every``, ``mixing`` and outer
+        optimizer are kept as constructed (a schedule changed with
         :meth:`update_outer_optimizer` is the caller's to restore: the saved hyperparameters
         are ``state_dict["kvstore_diloco"]["outer"]``). Nothing changes when a check fails.
 
         Raises:
-            ValueError: it was not saved by a DiLoCo, or by one over other parameters or keys,
-                or the inner optimizer refuses its part.
+            ValueError: it was not saved by a DiLoCo, or by one over other parameters or keys
+                or with other fragments or overlap, or the inner optimizer refuses its part.
+            UsageError: a round of this wrapper is in flight.
             CheckpointError, CodecError: the codec state is another worker's or does not fit
                 the keys (from the store, naming the key).
         """
+        if self._in_flight is not None:
+            raise UsageError(
+                f"DiLoCo.load_state_dict: fragment {self._in_flight}'s round is in flight; "
+                f"load between rounds (or after synchronize())"
+            )
         state = dict(state_dict)
         saved = state.pop(STATE_ENTRY, None)
         codec_state = state.pop(CODEC_STATE_ENTRY, None)
@@ -333,6 +480,12 @@ class DiLoCo(torch.optim.Optimizer):
         for name, weight, theta in zip(self._names, weights, self._theta, strict=True):
             if not isinstance(weight, torch.Tensor) or weight.shape != theta.shape:
                 raise ValueError(f"the state dict's outer weight of {name!r} has another shape")
+        schedule = (saved.get("fragments", 1), saved.get("overlap", 0))
+        if schedule != (len(self._fragments), self._overlap):
+            raise ValueError(
+                f"the state dict was saved with fragments={schedule[0]}, overlap={schedule[1]}; "
+                f"this DiLoCo has fragments={len(self._fragments)}, overlap={self._overlap}"
+            )
         steps = saved.get("steps")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"the state dict's step count is not a count: {steps!r}")
@@ -360,9 +513,36 @@ class DiLoCo(torch.optim.Optimizer):
         self._steps = steps
 
 
+def _contiguous_fragments(sizes: list[int], count: int) -> list[list[int]]:
+    """Cut ``range(len(sizes))`` into ``count`` non-empty contiguous groups whose largest sum
+    of ``sizes`` is the smallest possible (the earliest cuts among equal ones)."""
+    n = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    # best[g][j]: the smallest largest group cutting the first j sizes into g groups; cut[g][j]
+    # where the last of those groups starts.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    cut = [[0] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = 0
+    for groups in range(1, count + 1):
+        for end in range(groups, n - (count - groups) + 1):
+            for start in range(groups - 1, end):
+                largest = max(best[groups - 1][start], prefix[end] - prefix[start])
+                if largest < best[groups][end]:
+                    best[groups][end] = largest
+                    cut[groups][end] = start
+    bounds = [n]
+    for groups in range(count, 0, -1):
+        bounds.append(cut[groups][bounds[-1]])
+    bounds.reverse()
+    return [list(range(bounds[g], bounds[g + 1])) for g in range(count)]
+
+
 def _check_count(name: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-__all__ = ["DEFAULT_OUTER", "DiLoCo"]
+__all__ = ["DEFAULT_MIXING", "DEFAULT_OUTER", "DiLoCo"]
