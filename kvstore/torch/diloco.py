@@ -9,9 +9,17 @@ whose state never leaves the worker). Every ``sync_every`` inner steps the worke
   pulled; ``θ_local``: its parameters after the inner steps), compressed by the keys' push codec
   with that codec's error feedback;
 - the servers apply the outer optimizer (MXNet formulas, :mod:`kvstore.server.optimizers`) to
-  the mean over workers (``rescale_grad = 1 / num_workers``) once per round (``dist_sync``);
+  the mean over workers (``rescale_grad = 1 / num_workers``) once per round (``dist_sync``), or
+  to each worker's ``Δ / num_workers`` on its arrival (``dist_async``);
 - each worker pulls the new ``θ`` (through the store's pull compression, if any) into its
   parameters and keeps it as the start of the next ``Δ``.
+
+On a ``dist_async`` store this is asynchronous local SGD: a worker's sync waits for nothing but
+its own push (the pull returns the latest ``θ``, with whatever the other workers pushed so far),
+so a slow worker does not hold the fast ones back. The result depends on the order in which the
+pushes arrive; each ``Δ`` starts from the ``θ`` its worker last pulled, however many outer
+steps the others took since (it is stale by that many steps, and the outer step does not
+correct for it).
 
 The keys hold ``θ``, initialised from rank 0's parameters, so every worker starts from the same
 model. Outer ``sgd`` with learning rate 1 and no momentum is plain model averaging (local SGD);
@@ -31,9 +39,11 @@ about F and keeps the total. ``overlap=τ`` pushes a fragment's ``Δ`` at its sy
 its ``θ`` τ inner steps later, while the worker trains on; the late ``θ`` is then mixed with the
 fragment's local weights, ``θ_local ← (1 - α)·θ + α·θ_local`` (``mixing=α``, the paper's 0.5).
 
-Limits of this module: ``dist_sync`` (and ``local``) stores only; buffers (BatchNorm
-statistics) are not synchronized; :meth:`DiLoCo.state_dict` is refused while a fragment's round
-is in flight (see :class:`DiLoCo`).
+Limits of this module: on ``dist_async`` stores the outer step is not staleness-aware (a stale
+``Δ`` is applied as a fresh one) and a resumed run does not repeat the original bit for bit
+(the arrival order decides the result); buffers (BatchNorm statistics) are not synchronized;
+:meth:`DiLoCo.state_dict` is refused while a fragment's round is in flight (see
+:class:`DiLoCo`).
 """
 
 from __future__ import annotations
@@ -43,7 +53,8 @@ from typing import Any
 
 import torch
 
-from kvstore.errors import UsageError
+from kvstore.codecs import codec_from_spec
+from kvstore.errors import CodecError, UsageError
 from kvstore.torch.optimizer import (
     CODEC_STATE_ENTRY,
     ServerOptimizerSpec,
@@ -69,7 +80,7 @@ DEFAULT_KEY_PREFIX = "kvt.diloco/"
 STATE_ENTRY = "kvstore_diloco"
 """The entry of :meth:`DiLoCo.state_dict` that describes the wrapper and its outer weights."""
 
-SUPPORTED_STORES = ("dist_sync", "local")
+SUPPORTED_STORES = ("dist_sync", "dist_async", "local")
 
 
 class DiLoCo(torch.optim.Optimizer):
@@ -93,12 +104,19 @@ class DiLoCo(torch.optim.Optimizer):
     every worker's parameters. The store's optimizer applies to every key of the store, so a
     store used by a ``DiLoCo`` should hold no other keys that expect plain sums.
 
+    On ``dist_sync`` (and ``local``) stores a sync is collective: the outer step waits for
+    every worker's ``Δ``. On ``dist_async`` stores each worker's ``Δ`` is applied on arrival
+    (weighted by ``rescale_grad``, ``1 / num_workers`` by default) and its sync returns the
+    latest ``θ`` without waiting for the others; momentum and Adam's moments then mix the
+    workers' pseudo-gradients in arrival order. Codecs with several round trips per step
+    (``powersgd``) are refused there, before anything is sent.
+
     Args:
         optimizer: the inner optimizer (any ``torch.optim.Optimizer``), stepped on every call
             of :meth:`step`; its state stays on this worker and is kept across syncs.
         named_parameters: ``model.named_parameters()``: names for the keys, the same on every
             worker. None: names ``group{g}.{i}`` from the optimizer's parameter groups.
-        kv: the store (``dist_sync`` or ``local``).
+        kv: the store (``dist_sync``, ``dist_async`` or ``local``).
         sync_every: H, the inner steps per outer step.
         outer: the outer optimizer run by the servers, ``(name, hyperparameters)`` of
             :meth:`kvstore.KVStore.set_optimizer` (``"sgd"`` with ``momentum`` and
@@ -134,7 +152,9 @@ class DiLoCo(torch.optim.Optimizer):
 
     Raises:
         TypeError, ValueError: bad arguments (naming them).
-        UsageError: a store of another type than ``dist_sync`` or ``local``.
+        UsageError: a store of another type than ``dist_sync``, ``dist_async`` or ``local``.
+        CodecError: on ``dist_async``, a ``compression`` with several round trips per sync
+            (``powersgd``), before anything is sent.
         CodecError, OptimizerError: from the store, for a bad codec or outer optimizer.
     """
 
@@ -181,8 +201,7 @@ class DiLoCo(torch.optim.Optimizer):
             raise TypeError(f"key_prefix must be a str, got {type(key_prefix).__name__}")
         if kv.type not in SUPPORTED_STORES:
             raise UsageError(
-                f"DiLoCo runs on {' or '.join(SUPPORTED_STORES)} stores (one outer step per "
-                f"round of all workers); this store is {kv.type}"
+                f"DiLoCo runs on {', '.join(SUPPORTED_STORES)} stores; this store is {kv.type}"
             )
         try:
             spec = _server_spec(outer, kv.num_workers)
@@ -192,6 +211,8 @@ class DiLoCo(torch.optim.Optimizer):
                 f"{{'learning_rate': 0.7, 'momentum': 0.9, 'nesterov': True}}); got {outer!r}"
             ) from exc
         assert spec is not None
+        if kv.type == "dist_async" and compression is not None:
+            _check_async_codec(compression)
         self._optimizer = optimizer
         self._kv = kv
         self._sync_every = sync_every
@@ -319,8 +340,8 @@ class DiLoCo(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner step (the inner optimizer's ``step``); then, on the schedule, the pull of
-        the round in flight and the start of a fragment's sync (collective). Returns the
-        closure's loss, if any."""
+        the round in flight and the start of a fragment's sync (collective on ``dist_sync``).
+        Returns the closure's loss, if any."""
         loss = self._optimizer.step() if closure is None else self._optimizer.step(closure)
         self._steps += 1
         if self._in_flight is not None and self._steps >= self._pull_at:
@@ -335,9 +356,9 @@ class DiLoCo(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """An outer step of the whole model now: the round in flight, if any, lands first (its
         ``θ`` mixed in), then every key pushes ``Δ = θ - θ_local`` and pulls the servers' new
-        ``θ`` into the parameters. Collective: every worker calls it at the same point (after
-        the last step of a run, it lands the last round and syncs what the schedule has not
-        yet synced)."""
+        ``θ`` into the parameters. Collective on ``dist_sync``: every worker calls it at the
+        same point (after the last step of a run, it lands the last round and syncs what the
+        schedule has not yet synced). On ``dist_async`` it waits for no other worker."""
         if self._in_flight is not None:
             self._finish_round()
         self._push_deltas(range(len(self._keys)))
@@ -538,6 +559,18 @@ def _contiguous_fragments(sizes: list[int], count: int) -> list[list[int]]:
         bounds.append(cut[groups][bounds[-1]])
     bounds.reverse()
     return [list(range(bounds[g], bounds[g + 1])) for g in range(count)]
+
+
+def _check_async_codec(compression: Mapping[str, Any]) -> None:
+    """Refuse, before the collective calls, a push codec that ``dist_async`` cannot run."""
+    codec = codec_from_spec(dict(compression))
+    if codec.round_trips > 1:
+        raise CodecError(
+            f"DiLoCo on a dist_async store: compression {codec.name!r} needs "
+            f"{codec.round_trips} round trips per sync, which only dist_sync provides (each "
+            f"worker's pseudo-gradient is applied on its arrival); use a one-message codec "
+            f"(2bit, topk, fp16, ...) or a dist_sync store"
+        )
 
 
 def _check_count(name: str, value: Any, *, minimum: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -27,7 +28,7 @@ import torch
 from kvtest import connect, run_ranks
 
 import kvstore.torch as kvt
-from kvstore.errors import UsageError
+from kvstore.errors import CodecError, UsageError
 
 pytestmark = pytest.mark.integration
 
@@ -513,6 +514,31 @@ def test_bad_arguments_are_refused_before_anything_is_sent(addresses):
     run_ranks(WORKERS, rank_job)
 
 
+def test_async_store_is_accepted_and_a_codec_it_cannot_run_is_refused(addresses):
+    """A dist_async store makes a DiLoCo; PowerSGD pseudo-gradients (two round trips per
+    sync) are refused there by name before the collective calls, and a one-message codec is
+    taken."""
+
+    def rank_job(rank: int) -> str:
+        model = make_net()
+        with connect(addresses, rank, WORKERS, mode="dist_async") as kv:
+            named = list(model.named_parameters())
+            with pytest.raises(CodecError, match="DiLoCo on a dist_async store: .*'powersgd'"):
+                kvt.DiLoCo(
+                    inner_sgd(model), named, kv=kv, compression={"type": "powersgd", "rank": 1}
+                )
+            opt = kvt.DiLoCo(
+                inner_sgd(model),
+                named,
+                kv=kv,
+                sync_every=1,
+                compression={"type": "2bit", "threshold": THRESHOLD},
+            )
+            return repr(opt)
+
+    assert all(r.startswith("DiLoCo(SGD, 4 keys") for r in run_ranks(WORKERS, rank_job))
+
+
 # Streaming DiLoCo: fragments, overlap, mixing --------------------------------------------------
 
 
@@ -848,3 +874,244 @@ def test_resume_between_overlapped_rounds_and_refusal_while_one_is_in_flight(add
                 opt.load_state_dict(saved[rank]["optimizer"])
 
     run_ranks(WORKERS, mismatch)
+
+
+# dist_async: each worker's Δ applied on arrival, no worker waits for another -----------------
+
+
+class AsyncOracle:
+    """Asynchronous local SGD in one process, the syncs in a given order of ranks: the syncing
+    worker's ``Δ = θ_r - θ_local`` (``θ_r``: the θ that worker last pulled) goes through the
+    servers' outer update alone, and that worker pulls the result."""
+
+    def __init__(self, start: Net, *, sync_every: int, outer) -> None:
+        self.models = [copy.deepcopy(start) for _ in range(WORKERS)]
+        self.opts = [inner_sgd(m) for m in self.models]
+        self.theta = [[p.detach().clone() for p in start.parameters()] for _ in range(WORKERS)]
+        self.server = [p.detach().clone() for p in start.parameters()]
+        self.steps = [0] * WORKERS
+        self.sync_every = sync_every
+        self.outer = outer
+        self.outer_state: dict = {}
+
+    def turn(self, rank: int) -> None:
+        """``rank``'s H inner steps, then its sync."""
+        model, opt = self.models[rank], self.opts[rank]
+        for _ in range(self.sync_every):
+            opt.zero_grad()
+            loss_of(model, rank, self.steps[rank]).backward()
+            opt.step()
+            self.steps[rank] += 1
+        for i, param in enumerate(model.parameters()):
+            delta = self.theta[rank][i] - param.detach()
+            self.server[i] = self.outer(i, self.server[i], delta, self.outer_state)
+            self.theta[rank][i] = self.server[i].clone()
+            with torch.no_grad():
+                param.copy_(self.theta[rank][i])
+
+
+def pull_servers_theta(kv, opt: kvt.DiLoCo) -> list[torch.Tensor]:
+    theta = [torch.empty_like(t) for t in opt.outer_weights]
+    kv.pull(list(opt.keys), out=theta)
+    return theta
+
+
+def test_async_syncs_apply_each_pseudo_gradient_in_arrival_order(addresses):
+    """dist_async, H = 3, outer SGD lr 1, the syncs forced into the order 0, 1, 1, 0 (each
+    worker waits for its turn outside the store): the servers' θ is the oracle's, which applies
+    each Δ alone as it arrives (θ - Δ/2, each Δ from the θ its worker last pulled), bit for bit;
+    so are the workers' models and the θ each one last pulled."""
+    start = make_net()
+    order = [0, 1, 1, 0]
+    sync_every = 3
+    oracle = AsyncOracle(start, sync_every=sync_every, outer=outer_sgd(1.0))
+    for rank in order:
+        oracle.turn(rank)
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+    turn = threading.Condition()
+    done = [0]  # the turns taken
+    constructed = threading.Barrier(WORKERS)
+    finished = threading.Barrier(WORKERS)
+
+    def rank_job(rank: int):
+        model = models[rank]
+        with connect(addresses, rank, WORKERS, mode="dist_async") as kv:
+            opt = kvt.DiLoCo(
+                inner_sgd(model),
+                model.named_parameters(),
+                kv=kv,
+                sync_every=sync_every,
+                outer=("sgd", {"learning_rate": 1}),
+            )
+            # Both hold rank 0's parameters before any Δ arrives.
+            constructed.wait(timeout=30)
+            step = 0
+            for index, owner in enumerate(order):
+                if owner != rank:
+                    continue
+                with turn:
+                    assert turn.wait_for(lambda index=index: done[0] == index, timeout=30)
+                for _ in range(sync_every):
+                    opt.zero_grad()
+                    loss_of(model, rank, step).backward()
+                    opt.step()  # the H-th step pushes Δ and pulls θ
+                    step += 1
+                with turn:
+                    done[0] += 1
+                    turn.notify_all()
+            finished.wait(timeout=30)
+            return [t.clone() for t in opt.outer_weights], pull_servers_theta(kv, opt)
+
+    results = run_ranks(WORKERS, rank_job)
+    for rank, (model, (theta, servers)) in enumerate(zip(models, results, strict=True)):
+        assert_models_equal(model, oracle.models[rank])
+        for got, want in zip(theta, oracle.theta[rank], strict=True):
+            assert torch.equal(got, want)
+        for got, want in zip(servers, oracle.server, strict=True):
+            assert torch.equal(got, want)
+    # Worker 0 last synced after worker 1: it holds the servers' θ. The order matters: the
+    # same syncs in the order 0, 0, 1, 1 give other weights.
+    for got, want in zip(results[0][0], oracle.server, strict=True):
+        assert torch.equal(got, want)
+    other = AsyncOracle(start, sync_every=sync_every, outer=outer_sgd(1.0))
+    for rank in [0, 0, 1, 1]:
+        other.turn(rank)
+    assert not torch.equal(other.server[0], oracle.server[0])
+
+
+def test_async_slow_worker_does_not_hold_the_fast_one_back(addresses):
+    """dist_async, H = 2: worker 1 takes H - 1 steps and stops before the step that syncs,
+    until worker 0 has finished all its syncs (4 of them, counted by its pushes). Then worker 1
+    takes its steps (2 syncs). Every sync's order is fixed that way, so the servers' θ, the
+    models and each worker's last θ equal the oracle of the syncs 0, 0, 0, 0, 1, 1 bit for
+    bit; worker 1, last to sync, holds the servers' θ."""
+    start = make_net()
+    sync_every, fast_syncs, slow_syncs = 2, 4, 2
+    oracle = AsyncOracle(start, sync_every=sync_every, outer=outer_sgd(1.0))
+    for rank in [0] * fast_syncs + [1] * slow_syncs:
+        oracle.turn(rank)
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+    release = threading.Event()  # set by worker 0 once all its syncs returned
+    constructed = threading.Barrier(WORKERS)
+    finished = threading.Barrier(WORKERS)
+
+    def rank_job(rank: int):
+        model = models[rank]
+        with connect(addresses, rank, WORKERS, mode="dist_async") as kv:
+            pushes: list[int] = []
+            push = kv.push
+
+            def counting_push(keys, values, *args, **kwargs):
+                pushes.append(len(keys))
+                return push(keys, values, *args, **kwargs)
+
+            kv.push = counting_push
+            opt = kvt.DiLoCo(
+                inner_sgd(model),
+                model.named_parameters(),
+                kv=kv,
+                sync_every=sync_every,
+                outer=("sgd", {"learning_rate": 1}),
+            )
+            constructed.wait(timeout=30)
+            syncs = fast_syncs if rank == 0 else slow_syncs
+            for step in range(syncs * sync_every):
+                if rank == 1 and step == sync_every - 1:
+                    # Stopped before its first sync; worker 0 must get through all of its own.
+                    assert release.wait(timeout=30), "the fast worker waited for the slow one"
+                    assert pushes == []
+                opt.zero_grad()
+                loss_of(model, rank, step).backward()
+                opt.step()
+            completed = len(pushes)  # one push of every key per sync
+            if rank == 0:
+                release.set()
+            finished.wait(timeout=30)
+            return completed, [t.clone() for t in opt.outer_weights], pull_servers_theta(kv, opt)
+
+    results = run_ranks(WORKERS, rank_job)
+    assert [completed for completed, _, _ in results] == [fast_syncs, slow_syncs]
+    for rank, (model, (_, theta, servers)) in enumerate(zip(models, results, strict=True)):
+        assert_models_equal(model, oracle.models[rank])
+        for got, want in zip(theta, oracle.theta[rank], strict=True):
+            assert torch.equal(got, want)
+        for got, want in zip(servers, oracle.server, strict=True):
+            assert torch.equal(got, want)
+    for got, want in zip(results[1][1], oracle.server, strict=True):
+        assert torch.equal(got, want)
+    # Worker 0 ended on the θ of its last sync, before worker 1's Δs arrived.
+    assert not torch.equal(results[0][1][0], oracle.server[0])
+
+
+def test_async_fragments_overlap_and_compression_one_worker_after_the_other(addresses):
+    """dist_async with F = 2, τ = 1, 2-bit pseudo-gradients and the paper's outer Nesterov:
+    worker 0 runs its 9 steps (syncs after steps 2, 4, 6, 8, each θ pulled a step later and
+    mixed in), then worker 1 runs its 9 from the θ it pulled at construction. The servers' θ and
+    the models equal the oracle that applies each fragment's compressed Δ alone on arrival (the
+    outer momentum carried from worker 0's Δs into worker 1's), bit for bit."""
+    start = make_net()
+    sync_every, fragments, overlap, mixing, steps = 4, 2, 1, 0.5, 9
+    update = outer_nag(0.7, 0.9)
+    server = [p.detach().clone() for p in start.parameters()]
+    outer_state: dict = {}
+    expected = [copy.deepcopy(start) for _ in range(WORKERS)]
+    for rank, model in enumerate(expected):  # one worker after the other
+        opt = inner_sgd(model)
+        params = list(model.parameters())
+        theta = [p.detach().clone() for p in params]
+        residuals = [torch.zeros_like(t) for t in theta]
+        pending: list[tuple[int, list[int]]] = []
+        for t in range(1, steps + 1):
+            opt.zero_grad()
+            loss_of(model, rank, t - 1).backward()
+            opt.step()
+            for at, indices in [p for p in pending if p[0] == t]:
+                pending.remove((at, indices))
+                for i in indices:
+                    theta[i] = server[i].clone()
+                    with torch.no_grad():
+                        mixed = (f32(1.0) - f32(mixing)) * theta[i] + f32(mixing) * params[i]
+                        params[i].copy_(mixed)
+            for f in due(t, sync_every, fragments):
+                for i in NET_FRAGMENTS[f]:
+                    sent = two_bit(residuals[i], theta[i] - params[i].detach())
+                    server[i] = update(i, server[i], sent, outer_state)
+                pending.append((t + overlap, NET_FRAGMENTS[f]))
+        assert not pending
+    models = [copy.deepcopy(start) for _ in range(WORKERS)]
+    constructed = threading.Barrier(WORKERS)
+    first_done = threading.Event()
+    finished = threading.Barrier(WORKERS)
+
+    def rank_job(rank: int) -> list[torch.Tensor]:
+        model = models[rank]
+        with connect(addresses, rank, WORKERS, mode="dist_async") as kv:
+            opt = kvt.DiLoCo(
+                inner_sgd(model),
+                model.named_parameters(),
+                kv=kv,
+                sync_every=sync_every,
+                outer=("sgd", {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}),
+                compression={"type": "2bit", "threshold": THRESHOLD},
+                fragments=fragments,
+                overlap=overlap,
+                mixing=mixing,
+            )
+            constructed.wait(timeout=30)
+            if rank == 1:
+                assert first_done.wait(timeout=30)
+            for step in range(steps):
+                opt.zero_grad()
+                loss_of(model, rank, step).backward()
+                opt.step()
+            assert not opt.round_in_flight
+            first_done.set()
+            finished.wait(timeout=30)
+            return pull_servers_theta(kv, opt)
+
+    for servers in run_ranks(WORKERS, rank_job):
+        for got, want in zip(servers, server, strict=True):
+            assert torch.equal(got, want)
+    for model, want in zip(models, expected, strict=True):
+        assert_models_equal(model, want)
+    assert not torch.equal(models[0].inp.weight, models[1].inp.weight)
