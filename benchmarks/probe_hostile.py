@@ -25,7 +25,7 @@ exact sum. Each scenario prints one JSON line with its figures; none is judged h
 * ``many_frames``: senders of messages of many frames of the default frame limit (one shared
   buffer sent without copies) against a server without keys and default settings, while a
   2-worker job runs. Bytes offered, the server's memory before, its peak and after, the bound
-  :func:`kvstore.server.gate.memory_bound` gives for its settings, connections it closed.
+  :func:`kvstore.server.gate_limits.memory_bound` gives for its settings, connections it closed.
 * ``log_flood``: many bad messages, and one from a routing id holding a line break, a fake log
   line and terminal escapes. The log's bytes and lines, lines with control characters (none
   expected), whether a forged line appears.
@@ -66,7 +66,7 @@ from benchmarks.common import REPO, emit, machine, module_command
 from kvstore import wire
 from kvstore.auth import JobKeys, role_env
 from kvstore.envvars import DEFAULT_MAX_CONNECTIONS, DEFAULT_RECEIVE_BUFFER_BYTES
-from kvstore.server.gate import GateLimits, memory_bound
+from kvstore.server.gate_limits import GateLimits, memory_bound
 from kvstore.topology import max_payload_bytes
 from kvstore.wire import Op
 

@@ -10,7 +10,8 @@ So a server that listens on TCP accepts its peers' connections here, and its Zer
 listens on the loopback only. The gate relays each connection's bytes unchanged (a CURVE
 connection stays encrypted end to end: the gate holds no key) and reads only the ZMTP framing
 of what a peer sends: the greeting, then each frame's flags and size. A frame passes on only
-once its whole declared size fits (libzmq allocates a frame when it reads its size), within:
+once its whole declared size fits (libzmq allocates a frame when it reads its size), within
+the limits of :mod:`kvstore.server.gate_limits`:
 
 * :attr:`GateLimits.connection_bytes` bytes and :data:`FRAMES_AHEAD` frames per connection that
   the server has not yet taken from its socket;
@@ -37,47 +38,39 @@ more, until it reads them.
 What the gate itself keeps per connection is fixed: at most one read (:data:`READ_BYTES`)
 waiting for room (a longer read takes only an admitted frame's body), one header
 (:data:`~kvstore.wire.MAX_HEADER_BYTES`) being read, the reply backlog and one read of replies.
-docs/operations.md ("Limits") gives the resulting bound on the server's memory.
+docs/operations.md ("Limits") gives the resulting bound on the server's memory
+(:func:`kvstore.server.gate_limits.memory_bound`). Where the gate listens and the addresses it
+relays from are :mod:`kvstore.server.gate_sockets`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import resource
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from kvstore import wire
 from kvstore.auth import CURVE_MESSAGE_OVERHEAD
-from kvstore.errors import ConfigError
+from kvstore.server.gate_limits import (
+    BODY_READ_BYTES,
+    FRAMES_AHEAD,
+    READ_BYTES,
+    REPLY_BACKLOG,
+    REPLY_READ_BYTES,
+    SLACK_BYTES,
+    SLACK_FRAMES,
+    GateLimits,
+)
+from kvstore.server.gate_sockets import (
+    listening_socket,
+    peer_text,
+    raise_file_limit,
+    relay_address,
+)
 
 logger = logging.getLogger("kvstore.server")
-
-FRAMES_AHEAD = 64
-"""Frames per connection the gate lets ahead of the server (a request has at most a header and
-a few payload frames: this is a few dozen requests)."""
-
-SLACK_FRAMES = 4
-SLACK_BYTES = 64 * 1024
-"""What a message without CURVE may carry beyond what its header declares (or, if its header
-cannot be read, at all after it): room for the frames of a malformed request, which the server
-then answers with an ``ERROR`` reply, instead of a closed connection."""
-
-READ_BYTES = 64 * 1024
-"""The most the gate reads from a connection at once, unless it reads inside a frame it
-admitted (:data:`BODY_READ_BYTES`)."""
-
-BODY_READ_BYTES = 1024 * 1024
-"""The most the gate reads at once of an admitted frame's body, never past its end: all of it
-is relayed at once (nothing can wait for room), and megabyte reads cost the relay a fraction of
-what 64 KiB reads cost per byte."""
-
-REPLY_BACKLOG = 256 * 1024
-"""Bytes of replies a peer may leave unread before the gate stops reading its requests."""
 
 HANDSHAKE_COMMANDS = 2
 """Commands a peer sends before its first message (CURVE: HELLO and INITIATE; NULL: READY).
@@ -85,21 +78,6 @@ libzmq consumes them; they pass without taking room, up to :data:`MAX_HANDSHAKE_
 each. Any later command takes room as a frame does."""
 
 MAX_HANDSHAKE_COMMAND = 64 * 1024
-
-REPLY_READ_BYTES = 256 * 1024
-"""The most the event loop reads of replies at once (uvloop's and asyncio's read size)."""
-
-CONNECTION_OVERHEAD = 64 * 1024
-"""What a connection costs the server besides the buffers above: libzmq's session and engine,
-the gate's bookkeeping and the event loop's transports (32 KiB measured per connection with 800
-idle connections; twice that, for the allocator)."""
-
-PER_CONNECTION_BYTES = (
-    2 * READ_BYTES + wire.MAX_HEADER_BYTES + REPLY_BACKLOG + REPLY_READ_BYTES + CONNECTION_OVERHEAD
-)
-"""The most a connection makes the gate and libzmq keep besides its frames: a read waiting for
-room, a read before the relay's connection is up, a header being read, the reply backlog with
-one more read of replies, and the connection's fixed cost."""
 
 STALL_SECONDS = 1.0
 """How long the server must have had nothing to take, while frames wait for room, before the
@@ -114,126 +92,6 @@ GREETING_SIGNATURE_BYTES = 11
 """A ZMTP 3 greeting's signature and major version, which each side sends first."""
 _MORE, _LONG, _COMMAND = 1, 2, 4
 _RESERVED = 0xF8
-
-RELAY_NETWORK = (127 << 24) | (64 << 16)
-"""127.64.0.0: the gate's relayed connections come from addresses of 127.64.0.0/10."""
-RELAY_ADDRESSES = 1 << 22
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` as ZeroMQ binds one: the first address ``host``
-    resolves to (``*`` and an empty host: every IPv4 interface; ``::``: every interface, IPv4
-    included)."""
-    if host in ("*", ""):
-        host = "0.0.0.0"
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6 and host == "::":
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(address)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def relay_address(index: int) -> str:
-    """The loopback address of the ``index``-th relayed connection (wrapping), skipping the
-    addresses that end in 0 or 255."""
-    index %= RELAY_ADDRESSES - (RELAY_ADDRESSES >> 7)
-    # 254 usable last octets per /24: 1..254
-    block, offset = divmod(index, 254)
-    value = RELAY_NETWORK + (block << 8) + offset + 1
-    return socket.inet_ntoa(value.to_bytes(4, "big"))
-
-
-def relay_addresses_work() -> bool:
-    """Whether this host can open connections from 127.64.0.0/10 (Linux routes all of
-    127.0.0.0/8 to the loopback; other systems may not)."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        probe.bind((relay_address(0), 0))
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
-
-
-@dataclass(frozen=True)
-class GateLimits:
-    """What the gate lets the server's peers make it hold.
-
-    Attributes:
-        max_connections: connections at once; more are closed as they arrive.
-        total_bytes: frames not yet taken by the server, over all connections.
-        connection_bytes: frames not yet taken by the server, per connection; at least the
-            largest message the header checks let through, so that any such message can finish.
-        frame_bytes: the largest frame (the server's ``ZMQ_MAXMSGSIZE``: the message limit, plus
-            CURVE's overhead on a connection with keys); None: no limit.
-    """
-
-    max_connections: int
-    total_bytes: int
-    connection_bytes: int
-    frame_bytes: int | None
-
-    @classmethod
-    def for_server(
-        cls, max_message: int | None, max_connections: int, total_bytes: int
-    ) -> GateLimits:
-        """The limits of a server whose largest frame is ``max_message`` bytes (None: no
-        limit), with its settings for connections and the total."""
-        if max_message is None:
-            return cls(max_connections, total_bytes, total_bytes, None)
-        largest = largest_message(max_message)
-        if total_bytes < largest:
-            raise ConfigError(
-                f"KVSTORE_RECEIVE_BUFFER_BYTES={total_bytes} cannot hold the largest message "
-                f"that frames of {max_message} bytes make ({largest} bytes: a header and "
-                f"{wire.MAX_PAYLOAD_FRAMES} payload frames); raise it, or lower "
-                "KVSTORE_MAX_MESSAGE_BYTES or KVSTORE_PARTITION_BYTES"
-            )
-        return cls(max_connections, total_bytes, largest, max_message)
-
-
-def memory_bound(limits: GateLimits, encrypted: bool) -> int:
-    """The most that the server's peers can make it hold for their messages, over its memory
-    when idle: every frame not yet taken (:attr:`GateLimits.total_bytes`), what each of
-    :attr:`GateLimits.max_connections` connections costs (:data:`PER_CONNECTION_BYTES`), the
-    message the server is handling (its room is free once the server took it: at most
-    :attr:`GateLimits.connection_bytes`) and, on a server with keys (``encrypted``), the frame
-    that libzmq's I/O thread is decrypting into a copy of itself."""
-    bound = limits.total_bytes + limits.max_connections * PER_CONNECTION_BYTES
-    bound += limits.connection_bytes
-    if encrypted and limits.frame_bytes is not None:
-        bound += limits.frame_bytes
-    return bound
-
-
-def raise_file_limit(connections: int) -> None:
-    """Raise this process's soft limit on open files, within its hard limit, so that
-    ``connections`` relayed connections (two descriptors each, and libzmq's one) fit."""
-    wanted = 3 * connections + 256
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        if target > soft:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            except (OSError, ValueError):  # not allowed here: the accept errors will say so
-                pass
-
-
-def largest_message(max_message: int) -> int:
-    """The most a message that passes the header checks can take: a header, the most payload
-    frames a request declares, each of at most ``max_message`` bytes, and the slack."""
-    return wire.MAX_HEADER_BYTES + wire.MAX_PAYLOAD_FRAMES * max_message + SLACK_BYTES
 
 
 class _Refused(Exception):
@@ -346,7 +204,7 @@ class AdmissionGate:
     # connections ---------------------------------------------------------------------------
 
     def _accept(self, side: _ClientSide, transport: asyncio.Transport) -> None:
-        peer = _peer_text(transport.get_extra_info("peername"))
+        peer = peer_text(transport.get_extra_info("peername"))
         if len(self._links) >= self.limits.max_connections and not self._make_room(peer):
             self._warn(
                 logger,
@@ -500,13 +358,6 @@ class AdmissionGate:
                 self._admit_waiting()
         if self._waiting:
             self._stall_timer = self._loop.call_later(STALL_SECONDS / 2, self._check_stall)
-
-
-def _peer_text(peername: Any) -> str:
-    if isinstance(peername, tuple) and len(peername) >= 2:
-        host, port = peername[0], peername[1]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    return str(peername)
 
 
 class _Link:

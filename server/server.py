@@ -62,7 +62,9 @@ from kvstore.errors import (
 from kvstore.metrics import ServerMetrics, frames_nbytes
 from kvstore.server.collectives import Collectives
 from kvstore.server.errors import RequestError
-from kvstore.server.gate import AdmissionGate, GateLimits, relay_addresses_work
+from kvstore.server.gate import AdmissionGate
+from kvstore.server.gate_limits import GateLimits
+from kvstore.server.gate_sockets import relay_addresses_work
 from kvstore.server.job import ServerState
 from kvstore.server.keys import Keys
 from kvstore.server.membership import Membership

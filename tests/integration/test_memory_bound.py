@@ -4,9 +4,9 @@ Real servers, with and without CURVE keys, get messages of many frames, each fra
 frame limit (4 MiB + 120 bytes: the default partition), from several senders at once, while a
 legitimate 2-worker job runs. Without its admission gate, such messages waited whole in libzmq:
 five senders of 48-frame messages took a server to over 1 GiB. The server's peak memory
-(``VmHWM``) must stay within :func:`kvstore.server.gate.memory_bound` of its settings over its
-memory before the senders came, the job must get exact sums during and after, and the senders
-must have offered many times that bound, so that the test could fail.
+(``VmHWM``) must stay within :func:`kvstore.server.gate_limits.memory_bound` of its settings
+over its memory before the senders came, the job must get exact sums during and after, and the
+senders must have offered many times that bound, so that the test could fail.
 
 Timings are never asserted; deadlines are hang guards only.
 """
@@ -29,7 +29,7 @@ from kvtest import RawClient, connect, run_ranks, start_servers, stop_processes
 from kvstore import wire
 from kvstore.auth import CURVE_MESSAGE_OVERHEAD, JobKeys, role_env
 from kvstore.errors import ConfigError
-from kvstore.server.gate import GateLimits, memory_bound
+from kvstore.server.gate_limits import GateLimits, memory_bound
 from kvstore.topology import max_payload_bytes
 from kvstore.wire import Op
 
