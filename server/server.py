@@ -360,9 +360,8 @@ class ShardServer:
             if len(frames) < 2:
                 continue  # a routing id alone: nothing to answer
             if gate is not None:  # the gate may let more of this connection in now
-                gate.consumed(
-                    frames[1].get("Peer-Address"), frames_nbytes(frames[1:]), len(frames) - 1
-                )
+                nbytes = sum(map(len, frames)) - len(frames[0])  # (a Frame's len is its size)
+                gate.consumed(frames[1].get("Peer-Address"), nbytes, len(frames) - 1)
             identity = frames[0].bytes
             try:
                 self._handle(identity, frames[1:])

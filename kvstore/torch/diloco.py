@@ -58,6 +58,7 @@ from kvstore.errors import CodecError, UsageError
 from kvstore.torch.optimizer import (
     CODEC_STATE_ENTRY,
     ServerOptimizerSpec,
+    StoreWrappedOptimizer,
     _as_arrays,
     _as_tensors,
     _keys_of,
@@ -83,7 +84,7 @@ STATE_ENTRY = "kvstore_diloco"
 SUPPORTED_STORES = ("dist_sync", "dist_async", "local")
 
 
-class DiLoCo(torch.optim.Optimizer):
+class DiLoCo(StoreWrappedOptimizer):
     """Runs ``optimizer`` locally; every ``sync_every`` steps, an outer step on the servers.
 
     Example::
@@ -245,29 +246,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._deltas = [torch.empty_like(theta) for theta in self._theta]
         self._pull_outer_weights()
 
-    # the optimizer's face ----------------------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self._optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self._optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._optimizer.defaults
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The inner optimizer."""
-        return self._optimizer
-
-    @property
-    def kv(self) -> Any:
-        """The store."""
-        return self._kv
+    # the optimizer's face (the rest is StoreWrappedOptimizer's) ---------------------------------
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -322,12 +301,6 @@ class DiLoCo(torch.optim.Optimizer):
     def outer_weights(self) -> tuple[torch.Tensor, ...]:
         """``θ`` as last pulled, one tensor per key (the wrapper's own: do not write them)."""
         return tuple(self._theta)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise UsageError(
-            "a DiLoCo's parameters are fixed when it is made (they are its keys): add the "
-            "group to the inner optimizer before wrapping it"
-        )
 
     def __repr__(self) -> str:
         return (
@@ -400,10 +373,6 @@ class DiLoCo(torch.optim.Optimizer):
         with torch.no_grad():
             for param, theta in zip(self._params, self._theta, strict=True):
                 param.copy_(theta)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients (the inner optimizer's ``zero_grad``)."""
-        self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def update_outer_optimizer(self, **hyperparameters: Any) -> None:
         """Change hyperparameters of the outer optimizer (a schedule of the outer learning

@@ -87,7 +87,49 @@ class _Bucket:
             slot.ready = False
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class StoreWrappedOptimizer(torch.optim.Optimizer):
+    """What the optimizers that wrap a torch optimizer over a store share: the wrapped one owns
+    the parameter groups, the state and the defaults, which these properties hand out, and the
+    parameters are fixed when the wrapper is made (they are its keys). A subclass sets
+    ``_optimizer`` and ``_kv``; ``torch.optim.Optimizer.__init__`` is not called."""
+
+    _optimizer: torch.optim.Optimizer
+    _kv: Any
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._optimizer.defaults
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._optimizer
+
+    @property
+    def kv(self) -> Any:
+        """The store."""
+        return self._kv
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise UsageError(
+            f"a {type(self).__name__}'s parameters are fixed when it is made (they are its "
+            "keys): add the group to the wrapped optimizer before wrapping it"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (the wrapped optimizer's ``zero_grad``)."""
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class DistributedOptimizer(StoreWrappedOptimizer):
     """Wraps a torch optimizer: gradients are averaged over workers through the store.
 
     Example::
@@ -222,29 +264,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return torch.zeros(params[0].shape, dtype=params[0].dtype)
         return torch.zeros(bucket.flat.shape, dtype=bucket.flat.dtype)
 
-    # the optimizer's face ----------------------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self._optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self._optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._optimizer.defaults
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The wrapped optimizer."""
-        return self._optimizer
-
-    @property
-    def kv(self) -> Any:
-        """The store."""
-        return self._kv
+    # the optimizer's face (the rest is StoreWrappedOptimizer's) ---------------------------------
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -255,12 +275,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def buckets(self) -> tuple[tuple[str, ...], ...]:
         """The parameter names of each bucket, in backward order."""
         return tuple(tuple(bucket.names) for bucket in self._buckets)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise UsageError(
-            "a DistributedOptimizer's parameters are fixed when it is made (they are its "
-            "keys): add the group to the wrapped optimizer before wrapping it"
-        )
 
     def __repr__(self) -> str:
         server = "" if self._server is None else f", server_optimizer={self._server[0]!r}"
