@@ -37,7 +37,7 @@ FINITE_CHECK = "kvstore.codecs._finite_numba"
 """The NaN and infinity check every CPU push makes before it encodes."""
 
 OPTIMIZERS = "kvstore.server.optimizers"
-"""The servers' optimizer kernels (``sgd``, ``nag``, ``adam``)."""
+"""The servers' optimizer kernels (``sgd``, ``nag``, delayed Nesterov, ``adam``, ``dcasgd``)."""
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,19 @@ trusts a client. The update rules themselves live in :mod:`kvstore.server.optimi
 
 Hyperparameters follow MXNet's names and defaults:
 
-=========  ===================================================================================
-``sgd``    ``learning_rate=0.01, momentum=0.0, nesterov=False, wd=0.0, rescale_grad=1.0,
-           clip_gradient=None``
-``adam``   ``learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
-           rescale_grad=1.0, clip_gradient=None``
-=========  ===================================================================================
+==========  ==================================================================================
+``sgd``     ``learning_rate=0.01, momentum=0.0, nesterov=False, momentum_every=1, wd=0.0,
+            rescale_grad=1.0, clip_gradient=None``
+``adam``    ``learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
+            rescale_grad=1.0, clip_gradient=None``
+``dcasgd``  ``learning_rate=0.01, momentum=0.0, lamda=0.04, wd=0.0, rescale_grad=1.0,
+            clip_gradient=None``
+==========  ==================================================================================
 
-``lr`` is accepted as an alias of ``learning_rate``.
+``lr`` is accepted as an alias of ``learning_rate``. ``momentum_every`` (an int >= 1) is not
+MXNet's: with ``momentum_every=N > 1`` (``nesterov=True`` only) the servers run delayed Nesterov
+(Liu et al. 2024), which applies the momentum once every N updates of a chunk and plain steps in
+between. ``lamda`` (MXNet's spelling) scales ``dcasgd``'s delay compensation.
 """
 
 from __future__ import annotations
@@ -78,6 +83,22 @@ def _optional_positive(opt: str, name: str, value: Any) -> float | None:
     return _positive(opt, name, value)
 
 
+def _count(opt: str, name: str, value: Any) -> int:
+    """An int >= 1 (numpy integers too); bools and floats are refused, even 2.0, because a
+    count that is not a whole number is a mistake, not a rounding matter."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        import numpy as np  # noqa: PLC0415
+
+        if not isinstance(value, np.integer):
+            raise OptimizerError(
+                f"optimizer {opt!r}: {name} must be an int, got {type(value).__name__} {value!r}"
+            )
+        value = int(value)
+    if value < 1:
+        raise OptimizerError(f"optimizer {opt!r}: {name} must be >= 1, got {value!r}")
+    return value
+
+
 def _boolean(opt: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise OptimizerError(
@@ -92,6 +113,7 @@ _PARAMS: dict[str, dict[str, tuple[Any, Check]]] = {
         "learning_rate": (0.01, _non_negative),
         "momentum": (0.0, _unit_interval),
         "nesterov": (False, _boolean),
+        "momentum_every": (1, _count),
         "wd": (0.0, _non_negative),
         "rescale_grad": (1.0, _any_finite),
         "clip_gradient": (None, _optional_positive),
@@ -101,6 +123,14 @@ _PARAMS: dict[str, dict[str, tuple[Any, Check]]] = {
         "beta1": (0.9, _unit_interval),
         "beta2": (0.999, _unit_interval),
         "epsilon": (1e-8, _positive),
+        "wd": (0.0, _non_negative),
+        "rescale_grad": (1.0, _any_finite),
+        "clip_gradient": (None, _optional_positive),
+    },
+    "dcasgd": {
+        "learning_rate": (0.01, _non_negative),
+        "momentum": (0.0, _unit_interval),
+        "lamda": (0.04, _non_negative),
         "wd": (0.0, _non_negative),
         "rescale_grad": (1.0, _any_finite),
         "clip_gradient": (None, _optional_positive),
@@ -120,7 +150,7 @@ class OptimizerSpec:
     """A validated optimizer choice: its name and every hyperparameter (defaults filled in).
 
     Attributes:
-        name: ``"sgd"`` or ``"adam"``.
+        name: ``"sgd"``, ``"adam"`` or ``"dcasgd"``.
         params: all hyperparameters, as sent on the wire.
     """
 
@@ -169,4 +199,14 @@ def make_optimizer_spec(name: Any, params: dict[str, Any] | None = None) -> Opti
     values = {}
     for param, (default, check) in schema.items():
         values[param] = check(name, param, given.get(param, default))
+    _check_combination(name, values)
     return OptimizerSpec(name=name, params=values)
+
+
+def _check_combination(name: str, values: dict[str, Any]) -> None:
+    """Refuse hyperparameters that are valid one by one but not together."""
+    if name == "sgd" and values["momentum_every"] > 1 and not values["nesterov"]:
+        raise OptimizerError(
+            f"optimizer 'sgd': momentum_every={values['momentum_every']} needs nesterov=True "
+            f"(delayed Nesterov applies Nesterov momentum once every momentum_every updates)"
+        )

@@ -20,6 +20,36 @@ aggregate (the sum of all workers' decoded pushes); ``clip(x)`` clips to
     mom = momentum * mom + g'
     w   = w - lr * (g' + momentum * mom)
 
+``sgd`` with ``nesterov=True, momentum_every=N > 1`` (delayed Nesterov, Liu et al. 2024,
+"Asynchronous Local-SGD Training for Language Modeling"; ``count`` per chunk, from 0)::
+
+    g'     = clip(rescale_grad * g) + wd * w
+    count += 1;  buf += g'
+    if count % N != 0:  w = w - lr * g'                    (a momentum-free step)
+    else:               mom = momentum * mom + buf;  buf = 0
+                        w = w - lr * (g' + momentum * mom)
+
+  When N updates of ``Δ_i / N`` (``rescale_grad = 1/N``) arrive, each computed from the same
+  weights, the N steps together equal ONE NAG step with the mean of the ``Δ_i`` (up to
+  rounding): ``dist_async`` DiLoCo takes the synchronous outer step's momentum once per N
+  arrivals and plain steps in between, so a worker's pseudo-gradient is applied on arrival and
+  the momentum still sees each worker's once per cycle. ``momentum_every=1`` is NAG above.
+
+``dcasgd`` (delay-compensated ASGD, Zheng et al. ICML 2017, MXNet's formula; ``prev`` per chunk
+is the weights before the previous update, equal to the weights before the first)::
+
+    g    = clip(rescale_grad * g)
+    d    = -lr * (g + wd * w + lamda * g * g * (w - prev))
+    mom  = momentum * mom + d;  step = mom                 (momentum > 0; else step = d)
+    prev = w
+    w    = w + step
+
+  ``g*g*(w - prev)`` is the paper's cheap Hessian approximation times the weights' move since
+  the gradient's worker pulled them. Like MXNet, ``prev`` is kept per key, not per worker: it
+  is the weights before the previous update, whoever sent it, where the paper uses the weights
+  that this worker last pulled; the compensation is exact with one worker and an approximation
+  with several (it still damps the weights' recent move in proportion to ``g*g``).
+
 ``adam`` (step count ``t`` per chunk, starting at 1)::
 
     g'   = clip(rescale_grad * g + wd * w)
@@ -77,6 +107,35 @@ def _nag(w, out, g, mom, lr, momentum, wd, rescale, clip, use_clip):
         m = momentum * mom[i] + gi
         mom[i] = m
         out[i] = w[i] - lr * (gi + momentum * m)
+
+
+@njit(nogil=True, cache=True)
+def _delayed_nag(w, out, g, mom, buf, lr, momentum, wd, rescale, clip, use_clip, momentum_step):
+    if momentum_step:
+        for i in range(w.shape[0]):
+            gi = _clip(rescale * g[i], clip, use_clip) + wd * w[i]
+            m = momentum * mom[i] + (buf[i] + gi)
+            mom[i] = m
+            buf[i] = 0
+            out[i] = w[i] - lr * (gi + momentum * m)
+    else:
+        for i in range(w.shape[0]):
+            gi = _clip(rescale * g[i], clip, use_clip) + wd * w[i]
+            buf[i] += gi
+            out[i] = w[i] - lr * gi
+
+
+@njit(nogil=True, cache=True)
+def _dcasgd(w, out, g, prev, mom, lr, momentum, lamda, wd, rescale, clip, use_clip, use_mom):
+    for i in range(w.shape[0]):
+        gi = _clip(rescale * g[i], clip, use_clip)
+        wi = w[i]
+        step = -lr * (gi + wd * wi + lamda * gi * gi * (wi - prev[i]))
+        if use_mom:
+            step = momentum * mom[i] + step
+            mom[i] = step
+        prev[i] = wi
+        out[i] = wi + step
 
 
 @njit(nogil=True, cache=True)
@@ -148,6 +207,11 @@ class Optimizer(ABC):
         """Rebuild a chunk's state from a checkpoint: its arrays and integer counters (as
         ``ChunkState.checkpoint_state`` saves them; arrays are copied).
 
+        An entry whose :meth:`new_state` default is an int is a counter the checkpoint must
+        carry (Adam's ``t``); one whose default is None is made on first use, so a checkpoint
+        carries it as an array or a counter only once it was made (SGD's ``mom``, its delayed
+        Nesterov ``buf`` and ``count``, DCASGD's ``prev``).
+
         Raises:
             OptimizerError: names, lengths or dtypes that are not this optimizer's state.
         """
@@ -157,7 +221,7 @@ class Optimizer(ABC):
             raise OptimizerError(f"{what}: {self.name} keeps no state named {sorted(unknown)}")
         state: dict[str, Any] = {}
         for name, default in fresh.items():
-            if isinstance(default, int):  # a counter: required
+            if isinstance(default, int) or (default is None and name in scalars):  # a counter
                 value = scalars.get(name)
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise OptimizerError(f"{what}: {self.name} state {name!r} is {value!r}")
@@ -187,10 +251,20 @@ class Optimizer(ABC):
 
 
 class SGD(Optimizer):
+    """MXNet's SGD, momentum SGD and NAG, and delayed Nesterov (``momentum_every > 1``).
+
+    State, every entry made on first use: ``mom`` (at the first update with momentum or
+    Nesterov); for delayed Nesterov ``buf`` (the sum of the updates since the last momentum
+    step) and the int ``count`` (the delayed updates so far), both at the first delayed update.
+    A ``set_optimizer`` that changes ``momentum_every`` keeps them: the cycle goes on from
+    ``count`` (whose remainder by the new ``momentum_every`` says where), and
+    ``momentum_every=1`` leaves them untouched.
+    """
+
     name = "sgd"
 
     def new_state(self, numel: int, dtype: np.dtype) -> dict[str, Any]:
-        return {"mom": None}
+        return {"mom": None, "buf": None, "count": None}
 
     def step(
         self, weight: np.ndarray, out: np.ndarray, grad: np.ndarray, state: dict[str, Any]
@@ -206,6 +280,27 @@ class SGD(Optimizer):
             return
         if state.get("mom") is None:
             state["mom"] = np.zeros_like(weight)
+        every = self.spec["momentum_every"]
+        if every > 1:  # validation allows it only with nesterov=True
+            if state.get("buf") is None:
+                state["buf"] = np.zeros_like(weight)
+            state["count"] = (state.get("count") or 0) + 1
+            momentum_step = state["count"] % every == 0
+            _delayed_nag(
+                weight,
+                out,
+                grad,
+                state["mom"],
+                state["buf"],
+                lr,
+                momentum,
+                wd,
+                rescale,
+                clip,
+                use_clip,
+                momentum_step,
+            )
+            return
         kernel = _nag if self.spec["nesterov"] else _sgd_momentum
         kernel(weight, out, grad, state["mom"], lr, momentum, wd, rescale, clip, use_clip)
 
@@ -252,7 +347,53 @@ class Adam(Optimizer):
         )
 
 
-_OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam}
+class DCASGD(Optimizer):
+    """MXNet's ``dcasgd``: delay-compensated asynchronous SGD (see the module docstring for the
+    formula and for why ``prev`` per key is exact only with one worker).
+
+    State: ``prev`` (the weights before the last update; a copy of the weights at the first
+    update, since :meth:`new_state` does not see them) and ``mom`` (made at the first update
+    with ``momentum > 0``).
+    """
+
+    name = "dcasgd"
+
+    def new_state(self, numel: int, dtype: np.dtype) -> dict[str, Any]:
+        return {"prev": None, "mom": None}
+
+    def step(
+        self, weight: np.ndarray, out: np.ndarray, grad: np.ndarray, state: dict[str, Any]
+    ) -> None:
+        dtype = weight.dtype
+        lr, momentum, lamda, wd, rescale = self._scalars(
+            dtype, "learning_rate", "momentum", "lamda", "wd", "rescale_grad"
+        )
+        clip, use_clip = self._clip_args(dtype)
+        if state.get("prev") is None:
+            state["prev"] = weight.copy()
+        use_momentum = self.spec["momentum"] > 0.0
+        if use_momentum and state.get("mom") is None:
+            state["mom"] = np.zeros_like(weight)
+        # Without momentum the kernel never reads ``mom``: an empty array keeps its types fixed.
+        mom = state["mom"] if use_momentum else np.empty(0, dtype)
+        _dcasgd(
+            weight,
+            out,
+            grad,
+            state["prev"],
+            mom,
+            lr,
+            momentum,
+            lamda,
+            wd,
+            rescale,
+            clip,
+            use_clip,
+            use_momentum,
+        )
+
+
+_OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "dcasgd": DCASGD}
 
 
 def make_optimizer(spec: OptimizerSpec) -> Optimizer:

@@ -65,14 +65,19 @@ def test_a_far_off_codec_name_gets_the_list_and_no_suggestion():
 @pytest.mark.parametrize(
     "name, params, text",
     [
-        ("adma", {}, "unknown optimizer 'adma' (did you mean 'adam'?); available: adam, sgd"),
-        ("SDG", {}, "unknown optimizer 'SDG' (did you mean 'sgd'?); available: adam, sgd"),
-        ("rmsprop", {}, "unknown optimizer 'rmsprop'; available: adam, sgd"),
+        (
+            "adma",
+            {},
+            "unknown optimizer 'adma' (did you mean 'adam'?); available: adam, dcasgd, sgd",
+        ),
+        ("SDG", {}, "unknown optimizer 'SDG' (did you mean 'sgd'?); available: adam, dcasgd, sgd"),
+        ("rmsprop", {}, "unknown optimizer 'rmsprop'; available: adam, dcasgd, sgd"),
         (
             "sgd",
             {"momentun": 0.9},
             "optimizer 'sgd' has no hyperparameter(s) ['momentun'] (did you mean 'momentum'?); "
-            "accepted: clip_gradient, learning_rate, momentum, nesterov, rescale_grad, wd",
+            "accepted: clip_gradient, learning_rate, momentum, momentum_every, nesterov, "
+            "rescale_grad, wd",
         ),
         ("adam", {"lrr": 0.1}, "has no hyperparameter(s) ['lrr'] (did you mean 'lr'?)"),
         ("adam", {"colour": 1}, "has no hyperparameter(s) ['colour']; accepted: beta1, "),
