@@ -18,7 +18,7 @@ import importlib.util
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -87,14 +87,16 @@ def example_command(
     optimizer: str,
     json_to: str,
     device: str = "cpu",
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """One parameter-server worker: the example with ``push`` and ``pull`` compression specs,
     SGD on the ``server`` or the workers (``local``), worker 0 writing its epochs' JSON lines to
-    ``json_to`` (``-``: its stdout), no progress bar. It reads its place in the job from the
+    ``json_to`` (``-``: its stdout), no progress bar, and the example's options ``extra`` (its
+    DiLoCo mode: ``["--diloco", "10", ...]``). It reads its place in the job from the
     launcher's environment."""
     return [sys.executable, str(TRAIN), "--no-progress", "--json", json_to,
             "--compression", push, "--pull-compression", pull, "--optimizer", optimizer,
-            "--device", device, *training.flags()]  # fmt: skip
+            "--device", device, *training.flags(), *extra]  # fmt: skip
 
 
 def ddp_command(

@@ -50,6 +50,7 @@ from kvstore.errors import CodecError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # when imported from elsewhere too
 
+import mnist_diloco  # noqa: E402
 from codec_spec import format_codec_spec, parse_codec_spec, spec_params  # noqa: E402
 from mnist_data import load_data, train_images_per_worker  # noqa: E402
 from mnist_models import MODELS, make_model  # noqa: E402
@@ -135,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="worker 0 writes a JSON line per epoch to PATH (- for stdout)",
     )
+    mnist_diloco.add_arguments(parser)
     args = parser.parse_args(argv)
     # Found out now rather than after the training it would plot or report.
     if args.plot is not None and not args.plot.parent.is_dir():
@@ -185,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.momentum = 0.0
     elif args.momentum is None:
         args.momentum = DEFAULT_MOMENTUM
+    mnist_diloco.check_arguments(parser, args)
     return args
 
 
@@ -231,7 +234,7 @@ def make_optimizer(
 
 def train_step(
     model: nn.Module,
-    opt: kvt.DistributedOptimizer,
+    opt: kvt.DistributedOptimizer | kvt.DiLoCo,
     loss_fn: nn.Module,
     images: torch.Tensor,
     labels: torch.Tensor,
@@ -258,6 +261,18 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 50
         )
     model.train()
     return correct / len(y)
+
+
+def test_accuracy_of(
+    model: nn.Module,
+    opt: kvt.DistributedOptimizer | kvt.DiLoCo,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> float:
+    """The job's model's test accuracy: the model's own, or with DiLoCo the outer weights'."""
+    if isinstance(opt, kvt.DiLoCo):
+        return mnist_diloco.outer_accuracy(model, opt, lambda m: accuracy(m, x, y))
+    return accuracy(model, x, y)
 
 
 def show_progress(args: argparse.Namespace, rank: int) -> bool:
@@ -287,6 +302,8 @@ def say_if_compiling(args: argparse.Namespace) -> None:
     not hold yet (its first steps take seconds longer): the codecs' and, with ``--optimizer
     server``, the servers' SGD."""
     optimizer = "sgd" if args.optimizer == "server" else None
+    if args.diloco:
+        optimizer = mnist_diloco.outer_optimizer(args)[0]
     notice = compile_notice([args.codec, args.pull_codec], optimizer)
     if notice is not None:
         print(notice, file=sys.stderr, flush=True)
@@ -312,7 +329,11 @@ def main() -> None:
     train_x, train_y, test_x, test_y = load_data(rank, workers, device)
     model = make_model(args.model, args.hidden).to(device)
     kvt.broadcast_parameters(model, kv)  # every worker starts from rank 0's weights
-    opt = make_optimizer(args, model, kv)
+    if args.diloco:
+        opt: kvt.DistributedOptimizer | kvt.DiLoCo = mnist_diloco.make_diloco(args, model, kv)
+    else:
+        opt = make_optimizer(args, model, kv)
+    slowdown = mnist_diloco.Slowdown(args.slowdown if rank == args.slow_rank else 1.0)
 
     # Every worker must run the same number of steps in dist_sync: drop the ragged batch.
     steps = train_images_per_worker(workers) // args.batch_size
@@ -323,7 +344,15 @@ def main() -> None:
             f", {text}"
             for text, default in (
                 (f"model {args.model}", args.model == "mlp"),
-                (f"{args.optimizer} SGD (momentum {args.momentum:g})", args.optimizer == "server"),
+                (
+                    f"{args.optimizer} SGD (momentum {args.momentum:g})",
+                    args.optimizer == "server" or args.diloco,
+                ),
+                (
+                    f"DiLoCo H={args.diloco}, inner {args.inner}, outer "
+                    f"{mnist_diloco.outer_optimizer(args)}",
+                    not args.diloco,
+                ),
                 (f"device {args.device}", args.device == "cpu"),
                 (f"{len(opt.keys)} keys", args.bucket_bytes is None),
             )
@@ -343,8 +372,12 @@ def main() -> None:
         "codec": format_codec_spec(args.codec), "model": args.model, "workers": workers,
         "servers": kv.num_servers, "optimizer": args.optimizer, "lr": args.lr,
         "momentum": args.momentum, "batch_size": args.batch_size, "seed": args.seed,
-        "device": args.device, "steps_per_epoch": steps,
+        "device": args.device, "steps_per_epoch": steps, "mode": mode,
     }  # fmt: skip
+    if args.diloco:
+        config.update(diloco=args.diloco, inner=args.inner,
+                      outer=mnist_diloco.outer_optimizer(args), fragments=args.fragments,
+                      overlap=args.overlap)  # fmt: skip
     before = first = kv.stats()
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
@@ -358,14 +391,18 @@ def main() -> None:
         )
         for step in bar:
             batch = order[step * args.batch_size : (step + 1) * args.batch_size]
+            slowdown.start()
             total_loss += train_step(model, opt, loss_fn, train_x[batch], train_y[batch])
+            slowdown.finish()
             if progress:
                 bar.set_postfix(loss=f"{total_loss / (step + 1):.4f}", refresh=False)
+        if isinstance(opt, kvt.DiLoCo) and epoch == args.epochs:
+            opt.synchronize()  # the final θ holds every step taken
         stats = kv.stats()
         record = epoch_record(epoch, before, stats, first, steps)
         before = stats
         if rank == 0:
-            test_accuracy = accuracy(model, test_x, test_y)
+            test_accuracy = test_accuracy_of(model, opt, test_x, test_y)
             seconds = time.perf_counter() - start
             history.append({
                 "epoch": epoch,
@@ -384,7 +421,7 @@ def main() -> None:
                 json_out.write(json.dumps({**line, "seconds": seconds, **config}) + "\n")
                 json_out.flush()
     kv.barrier()
-    final = accuracy(model, test_x, test_y)
+    final = test_accuracy_of(model, opt, test_x, test_y)
     total = kv.stats()
     print(
         f"rank {rank} done: test accuracy {final:.2%}, pushed {total.pushed_bytes / 1e6:.2f} MB "
