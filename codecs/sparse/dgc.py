@@ -190,7 +190,7 @@ class DGCCodec(SparseCodec):
         return encode_reference(state["u"], state["v"], grad, selection, self.accumulation())
 
     def check_optimizer(self, name: str, params: Mapping[str, Any]) -> None:
-        momentum = {"sgd": "momentum", "adam": "beta1"}.get(name)
+        momentum = {"sgd": "momentum", "dcasgd": "momentum", "adam": "beta1"}.get(name)
         if momentum is not None and float(params.get(momentum, 0.0) or 0.0) > 0:
             raise CodecError(
                 f"codec 'dgc' applies momentum on the workers (momentum correction), and the "

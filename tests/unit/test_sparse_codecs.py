@@ -486,5 +486,8 @@ def test_dgc_refuses_server_momentum_and_the_others_do_not():
         dgc.check_optimizer("sgd", {"momentum": 0.9})
     with pytest.raises(CodecError, match="beta1"):
         dgc.check_optimizer("adam", {"beta1": 0.9})
+    with pytest.raises(CodecError, match="double momentum"):
+        dgc.check_optimizer("dcasgd", {"momentum": 0.9})
     dgc.check_optimizer("sgd", {"momentum": 0.0})
+    dgc.check_optimizer("dcasgd", {"momentum": 0.0})
     _codec({"type": "topk"}).check_optimizer("sgd", {"momentum": 0.9})
