@@ -33,7 +33,7 @@ import numpy as np
 from kvstore.codecs.base import Aggregator, Codec, CodecError, KeyEncoder
 from kvstore.codecs.registry import codec_from_spec
 
-PULL_CODECS = ("fp16", "bf16", "2bit", "topk", "threshold")
+PULL_CODECS = ("fp16", "bf16", "2bit", "topk", "threshold", "topk2bit")
 """Codecs a pull can be compressed with (``none``: dense pulls)."""
 
 DENSE, DELTA, UNCHANGED = 0, 1, 2

@@ -41,6 +41,7 @@ BUILT_IN_CODECS = (
     "kvstore.codecs.twobit:TwoBitCodec",
     "kvstore.codecs.sparse.threshold:ThresholdCodec",
     "kvstore.codecs.sparse.topk:TopKCodec",
+    "kvstore.codecs.sparse.topk2bit:TopK2BitCodec",
     "kvstore.codecs.sparse.randomk:RandomKCodec",
     "kvstore.codecs.sparse.dgc:DGCCodec",
     "kvstore.codecs.sign.onebit:OneBitCodec",

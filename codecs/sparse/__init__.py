@@ -197,6 +197,17 @@ def validate_payloads(
     values = np.frombuffer(raw_val, dtype=dtype)
     if indices.size != values.size:
         raise CodecError(f"{where} has {indices.size} indices but {values.size} values")
+    check_indices(indices, numel, where, compiled)
+    return indices, values
+
+
+def check_indices(indices: np.ndarray, numel: int, where: str, compiled: bool | None) -> None:
+    """Check a push's chunk-local ``indices`` (uint32): at most ``numel`` of them, strictly
+    ascending, all below ``numel``. ``where`` starts the error message.
+
+    Raises:
+        CodecError: too many, not strictly ascending, or out of range (the message says where).
+    """
     if indices.size > numel:
         raise CodecError(f"{where} has {indices.size} pairs, more than the chunk's elements")
     if indices.size:
@@ -208,7 +219,6 @@ def validate_payloads(
             )
         if int(indices[-1]) >= numel:
             raise CodecError(f"{where}: index {int(indices[-1])} is out of range")
-    return indices, values
 
 
 def _first_unordered(indices: np.ndarray, compiled: bool | None) -> int:
@@ -546,6 +556,10 @@ class SparseKeyEncoder(KeyEncoder):
         lo, hi = self._cuts[index], self._cuts[index + 1]
         return [self.buffers.local[lo:hi], self.buffers.values[lo:hi]]
 
+    def sent_values(self, index: int) -> np.ndarray:
+        """The values chunk ``index``'s last push decodes to on the server (host memory)."""
+        return self.buffers.values[self._cuts[index] : self._cuts[index + 1]]
+
 
 class _SparseChunkEncoder(Encoder):
     """One chunk's view of a :class:`SparseKeyEncoder`: its payload share and its state."""
@@ -564,7 +578,7 @@ class _SparseChunkEncoder(Encoder):
         return self.owner.payload(self.index)
 
     def quality(self, values: Any) -> PushQuality:
-        sent = self.owner.payload(self.index)[1]
+        sent = self.owner.sent_values(self.index)
         kept = self.owner.selected_state[self.start : self.stop]
         return PushQuality(squared_norm(values), squared_norm(kept), int(np.count_nonzero(sent)))
 

@@ -305,6 +305,21 @@ def scatter_add(out: Any, indices: np.ndarray, values: np.ndarray) -> None:
     )
 
 
+def assign(x: Any, indices: np.ndarray, values: np.ndarray) -> None:
+    """``x[indices] = values`` on the device, bit for bit (``indices``: unique int64 global
+    indices on the host, ``values`` float32 on the host): ``topk2bit`` writes the quantization
+    errors of the selected elements back into the residual with it."""
+    count = int(indices.size)
+    if count == 0:
+        return
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    _kernel("sparse_assign")(
+        (_blocks(count),),
+        (_THREADS,),
+        (x, cupy.asarray(indices, dtype=cupy.int64), cupy.asarray(bits), cupy.int64(count)),
+    )
+
+
 def encode(
     state: dict,
     names: tuple[str, ...],
@@ -372,4 +387,4 @@ def encode(
     return _write_take(flags, flags.quota, x, a, dgc, starts, buffers)
 
 
-__all__ = ["encode"]
+__all__ = ["assign", "encode"]

@@ -1,10 +1,10 @@
 """Compiled CPU kernels of the sparse codec family (numba, GIL released, cached on disk).
 
 Same results, bit for bit, as the numpy references in :mod:`kvstore.codecs.sparse.threshold`,
-:mod:`~kvstore.codecs.sparse.topk`, :mod:`~kvstore.codecs.sparse.randomk` and
-:mod:`~kvstore.codecs.sparse.dgc`; :mod:`kvstore.codecs.sparse` strings them together. Compiled
-without fast-math, so every float32 operation rounds like numpy's (no reassociation, no fused
-multiply-add).
+:mod:`~kvstore.codecs.sparse.topk`, :mod:`~kvstore.codecs.sparse.randomk`,
+:mod:`~kvstore.codecs.sparse.dgc` and :mod:`~kvstore.codecs.sparse.topk2bit`;
+:mod:`kvstore.codecs.sparse` strings them together. Compiled without fast-math, so every float32
+operation rounds like numpy's (no reassociation, no fused multiply-add).
 
 The passes over a whole key work in blocks of :data:`BLOCK` elements: a plain loop that LLVM
 vectorizes updates the block (``r += g``, or DGC's momentum) and writes one flag byte per element
@@ -372,6 +372,54 @@ def first_unordered(idx):
         if idx[j] <= idx[j - 1]:
             return j
     return -1
+
+
+# topk2bit: two bits per selected value ----------------------------------------------------
+
+
+@njit(nogil=True, cache=True)
+def magnitude_range(val):
+    """``(min(abs(val)), max(abs(val)))`` as float32 (``(0, 0)`` when ``val`` is empty)."""
+    n = val.shape[0]
+    if n == 0:
+        return np.float32(0), np.float32(0)
+    lo = np.float32(abs(val[0]))
+    hi = lo
+    for j in range(1, n):
+        m = np.float32(abs(val[j]))
+        if m < lo:
+            lo = m
+        if m > hi:
+            hi = m
+    return lo, hi
+
+
+@njit(nogil=True, cache=True)
+def quantize_2bit(val, mid, low, high, codes, decoded):
+    """Code ``j`` in bits ``2 * (j % 4)`` of byte ``j // 4``: bit 0 ``abs(val[j]) >= mid``,
+    bit 1 ``val[j] < 0``; ``decoded[j]`` is ``high`` or ``low`` with that sign. The unused
+    bits of the last byte are 0 (see :mod:`kvstore.codecs.sparse.topk2bit`)."""
+    n = val.shape[0]
+    for b in range((n + 3) // 4):
+        codes[b] = 0
+    for j in range(n):
+        v = val[j]
+        big = abs(v) >= mid
+        negative = v < 0
+        code = (1 if big else 0) | (2 if negative else 0)
+        codes[j >> 2] |= np.uint8(code << (2 * (j & 3)))
+        magnitude = high if big else low
+        decoded[j] = -magnitude if negative else magnitude
+
+
+@njit(nogil=True, cache=True)
+def decode_2bit(codes, low, high, out):
+    """The values of :func:`quantize_2bit`'s codes: ``out[j]`` is ``high`` (bit 0 set) or
+    ``low``, negated when bit 1 is set."""
+    for j in range(out.shape[0]):
+        code = (np.int64(codes[j >> 2]) >> (2 * (j & 3))) & 3
+        magnitude = high if code & 1 else low
+        out[j] = -magnitude if code & 2 else magnitude
 
 
 # DGC's clipping norm -----------------------------------------------------------------------

@@ -359,6 +359,15 @@ __global__ void sparse_block_sumsq(const float* g, const long long n, const long
     out[b] = partial;
 }
 
+/* x[idx[j]] = bits[j], copied as integers so that no float operation (and no flush of a
+   subnormal) touches them: topk2bit's quantization errors written back into the residual. */
+__global__ void sparse_assign(unsigned int* x, const long long* idx, const unsigned int* bits,
+                              const long long count) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= count) return;
+    x[idx[j]] = bits[j];
+}
+
 /* out[idx[j]] += values[j] (indices unique: a relayed push). */
 __global__ void sparse_scatter_add(float* out, const unsigned int* idx, const float* values,
                                    const long long count) {
