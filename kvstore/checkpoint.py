@@ -8,7 +8,8 @@ A checkpoint is a directory::
                          optimizer, keys with shape, dtype and compression) and the sha256 and
                          size of every other file
       server-0.npz ...   server I's shard, written by server I: per chunk its value, its master
-                         copy (float16 keys), its optimizer state and update count
+                         copy (float16 keys), its optimizer state and update count, and
+                         whether it is averaged
       worker-0.npz ...   worker R's codec state, written by worker R: per chunk the encoder's
                          state (2-bit residuals) and how many pushes it sent
 

@@ -147,6 +147,11 @@ def _check_uint(name: str, value: Any) -> None:
         raise ProtocolError(f"field {name!r} must be a non-negative int, got {_show(value)}")
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if type(value) is not bool:  # (not 1 or 0, which compare equal to True and False)
+        raise ProtocolError(f"field {name!r} must be a bool, got {_show(value)}")
+
+
 def _check_version(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= _INT64_MAX:
         raise ProtocolError(f"field {name!r} must be an int >= -1, got {_show(value)}")
@@ -210,6 +215,7 @@ def _check_params(name: str, value: Any) -> None:
 
 
 VERSION = _check_version
+BOOL = _check_bool
 
 KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE, RIDS, LANE = (
     _check_key,
@@ -274,6 +280,9 @@ class InitFields:
     pull_codec: str | None = _wire("pd", STR, optional=True)
     """Pull compression's codec (:mod:`kvstore.codecs.pulled`); None: dense pulls."""
     pull_params: dict[str, Any] | None = _wire("pp", PARAMS, optional=True)
+    averaged: bool | None = _wire("av", BOOL, optional=True)
+    """True: the chunk holds the mean of the workers' pushes and the server optimizer never
+    touches it (``kv.init(..., averaged=True)``); None or False: a normal key."""
 
 
 @dataclass(slots=True)

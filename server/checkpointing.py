@@ -70,6 +70,7 @@ def snapshot(
                 "dtype": spec.dtype,
                 "shape": list(spec.shape),
                 "codec": dict(spec.codec),
+                "averaged": spec.averaged,
                 "arrays": sorted(state),
                 **meta,
             }
@@ -223,6 +224,13 @@ def _stage_chunk(
             f"key {spec.key!r}: the checkpoint has shape {tuple(first['shape'])} "
             f"{first['dtype']}, compression {first['codec']}; this job initialised "
             f"{spec.describe()}"
+        )
+    # (parts written before keys could be averaged have no such entry: none was)
+    saved_averaged = first.get("averaged", False)
+    if saved_averaged is not spec.averaged:
+        raise CheckpointError(
+            f"key {spec.key!r}: the checkpoint has it with averaged={saved_averaged!r}, this job "
+            f"initialised it with averaged={spec.averaged}: init it as it was saved"
         )
     start, stop = spec.start, spec.start + spec.numel
     covering = [p[3] for p in saved if p[0] < stop and p[0] + p[1] > start] or [first]

@@ -64,13 +64,17 @@ class ChunkSpec:
     shape: tuple[int, ...]
     codec: tuple[tuple[str, Any], ...]
     pull: tuple[tuple[str, Any], ...] = ()  # the pull compression spec; () for dense pulls
+    # The chunk holds the mean of the workers' pushes, and the server optimizer never touches
+    # it (kv.init(..., averaged=True)): see ChunkState.apply_average.
+    averaged: bool = False
 
     def describe(self) -> str:
         codec = dict(self.codec)
         pull = f", pull compression {dict(self.pull)}" if self.pull else ""
+        averaged = ", averaged=True" if self.averaged else ""
         return (
             f"shape {self.shape} {self.dtype}, elements [{self.start}, {self.start + self.numel}), "
-            f"compression {codec}{pull}"
+            f"compression {codec}{pull}{averaged}"
         )
 
     @property
@@ -263,6 +267,33 @@ class ChunkState:
                 np.copyto(self.master, grad)
             else:
                 optimizer.step(self.master, self.master, grad, self._optimizer_state(optimizer))
+            np.copyto(out, self.master, casting="unsafe")
+        self.updates += 1
+
+    def apply_average(
+        self, pushed: np.ndarray, num_workers: int, running: bool, out: np.ndarray
+    ) -> None:
+        """Write the value of an averaged chunk after this update into ``out`` (runs on an
+        executor thread); the server optimizer plays no part.
+
+        ``running=False`` (``dist_sync`` and ``local``; ``pushed`` is the sum of the round's N
+        decoded pushes): the mean, ``sum / N``. ``running=True`` (``dist_async``; ``pushed``
+        is one worker's decoded push): the value moves 1/N of the way to it,
+        ``w + (push - w) / N``, a running mean of the workers' pushes. Both are computed in
+        the accumulator dtype (into the master copy of a float16 chunk), in that order of
+        operations, so a test can compute the same bits.
+        """
+        assert self.value is not None
+        target = out if self.master is None else self.master
+        if running:
+            current = self.value.current if self.master is None else self.master
+            step = np.subtract(pushed, current, out=out if self.master is None else None)
+            step /= num_workers
+            np.add(current, step, out=target)
+        else:
+            np.copyto(target, pushed)
+            target /= num_workers
+        if self.master is not None:
             np.copyto(out, self.master, casting="unsafe")
         self.updates += 1
 

@@ -1,9 +1,10 @@
 """Key initialisation: the collective INIT that declares each chunk of a key on its server.
 
 ``init`` is collective: each worker declares the chunk's spec (shape, dtype, element range,
-push and pull compression; rank 0 also sends the value), the specs must match rank 0's, and
-every worker's init is answered once rank 0's value is stored, so no pull can see an
-uninitialised key. Pushes and pulls then find their chunk through :meth:`Keys.ready_chunk`.
+push and pull compression, whether it is averaged; rank 0 also sends the value), the specs must
+match rank 0's, and every worker's init is answered once rank 0's value is stored, so no pull
+can see an uninitialised key. Pushes and pulls then find their chunk through
+:meth:`Keys.ready_chunk`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ class Keys:
                 f"key {init.key!r} chunk {init.chunk}: elements [{start}, {start + count}) do not "
                 f"fit a value of shape {shape}",
             )
+        averaged = bool(init.averaged)
+        if averaged and not init.dtype.startswith("float"):
+            raise RequestError(
+                ErrorCode.BAD_VALUE,
+                f"key {init.key!r} is {init.dtype}: averaged keys hold a mean, so they must be "
+                f"float keys",
+            )
         codec = codec_from_spec({"type": init.codec, **init.codec_params})
         codec.check_dtype(init.dtype, f"key {init.key!r}")
         optimizer = self._state.job.optimizer
@@ -79,6 +87,7 @@ class Keys:
             shape=shape,
             codec=tuple(sorted(codec.spec().items())),
             pull=tuple(sorted(pull_codec.spec().items())) if pull_codec is not None else (),
+            averaged=averaged,
         )
         return spec, codec
 
@@ -152,7 +161,8 @@ class Keys:
         return (
             f"{spec.name}: rank {rank} declared {spec.describe()} but rank 0 declared "
             f"{reference.describe()}; every worker must init a key with the same shape, dtype, "
-            f"compression, KVSTORE_BIGARRAY_BOUND/KVSTORE_PARTITION_BYTES and KVSTORE_SERVERS"
+            f"compression, averaged flag, KVSTORE_BIGARRAY_BOUND/KVSTORE_PARTITION_BYTES and "
+            f"KVSTORE_SERVERS"
         )
 
     @staticmethod

@@ -5,9 +5,11 @@ from each of the N workers, decoding each into the round's aggregate as it arriv
 is in, the optimizer (if any) is applied once, or the aggregate becomes the stored value, and then
 all N pushes are acknowledged. A worker's second push of a chunk within one round waits for the
 next round. ``dist_async``: each push is decoded and applied on arrival (an optimizer is required)
-and acknowledged. Per chunk the work is serialized by an ``asyncio.Lock`` that hands out turns in
-arrival order; different chunks proceed in parallel (:mod:`kvstore.server.work` says where the
-work runs).
+and acknowledged. An *averaged* chunk (``kv.init(..., averaged=True)``) takes no optimizer: its
+value is the mean of the round's pushes, or in ``dist_async`` moves 1/N of the way to each push
+(:meth:`~kvstore.server.chunk.ChunkState.apply_average`), and pushes need no optimizer. Per
+chunk the work is serialized by an ``asyncio.Lock`` that hands out turns in arrival order;
+different chunks proceed in parallel (:mod:`kvstore.server.work` says where the work runs).
 
 Pulls are answered with the chunk's published value, but only after as many of the same
 worker's pushes of that chunk have been applied as the pull says it follows (``af``: pulls
@@ -79,7 +81,7 @@ class Rounds:
             )
         chunk.codec.validate_payloads(msg.payloads, spec.numel, spec.dtype)
         job = self._state.job
-        if job.mode == "dist_async" and job.optimizer is None:
+        if job.mode == "dist_async" and job.optimizer is None and not spec.averaged:
             raise RequestError(
                 ErrorCode.NO_OPTIMIZER,
                 "dist_async applies every push on arrival and needs an optimizer: "
@@ -187,6 +189,9 @@ class Rounds:
 
     async def _apply(self, chunk: ChunkState, grad: Any) -> None:
         assert chunk.value is not None
+        if chunk.spec.averaged:
+            await self._apply_average(chunk, grad)
+            return
         optimizer = self._state.job.optimizer
         if optimizer is not None and not chunk.spec.dtype.startswith("float"):
             raise RequestError(
@@ -205,6 +210,28 @@ class Rounds:
             return
         try:
             await self._work.run(chunk, chunk.apply_update, grad, optimizer, out)
+        except BaseException:
+            chunk.value.give_back(out)
+            raise
+        chunk.value.publish(out)
+        await self._advance_pulled(chunk)
+
+    async def _apply_average(self, chunk: ChunkState, pushed: Any) -> None:
+        """An averaged chunk's update: the mean of the round's pushes (dist_sync, local), or
+        one push's step of the running mean (dist_async); never the optimizer's, and never the
+        aggregator's array published as it is (that is the sum)."""
+        assert chunk.value is not None
+        out = chunk.value.spare()
+        running = self._state.job.mode == "dist_async"
+        try:
+            await self._work.run(
+                chunk,
+                chunk.apply_average,
+                pushed,
+                self._state.config.num_workers,
+                running,
+                out,
+            )
         except BaseException:
             chunk.value.give_back(out)
             raise
@@ -253,18 +280,20 @@ class Rounds:
 
     def _keep_for_relay(self, chunk: ChunkState, payloads: list[Any]) -> None:
         """Keep a summed push for relayed pulls of the round's sum (in the order summed)."""
-        if chunk.codec.relayable and self._state.job.optimizer is None:
+        if chunk.codec.relayable and self._state.job.optimizer is None and not chunk.spec.averaged:
             chunk.round_payloads.append(payloads)
 
     def _relay_of_round(self, chunk: ChunkState, summed: list[Any]) -> list[Any] | None:
         """The pushes a pull may relay instead of the value just published, or None.
 
-        Without an optimizer the new value is exactly the sum of these pushes (``summed``
-        stays empty for codecs that cannot relay).
+        Without an optimizer the new value of a chunk that is not averaged is exactly the sum
+        of these pushes (``summed`` stays empty for codecs that cannot relay, and for averaged
+        chunks, whose value is the mean).
         """
         relayable = (
             bool(summed)
             and self._state.job.optimizer is None
+            and not chunk.spec.averaged
             and chunk.master is None
             # (sparse pushes vary in size: relay only while it saves bytes)
             and relay_fits(summed, chunk.spec.numel, chunk.spec.dtype)

@@ -40,7 +40,7 @@ import dataclasses
 import os
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvstore._malloc import tune_malloc
@@ -54,6 +54,7 @@ from kvstore.errors import (
     KVStoreError,
     OptimizerError,
     UsageError,
+    ValueMismatchError,
 )
 from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
@@ -322,11 +323,26 @@ class KVStore:
 
     # init ----------------------------------------------------------------------------------------
 
-    def init(self, key: KeyArg, value: Any, *, compression: dict[str, Any] | None = None) -> None:
+    def init(
+        self,
+        key: KeyArg,
+        value: Any,
+        *,
+        compression: dict[str, Any] | None = None,
+        averaged: bool = False,
+    ) -> None:
         """Initialise keys; collective (every worker calls it), rank 0's values win.
 
         Returns once every server stored rank 0's value, so no pull can see an uninitialised
         key.
+
+        An *averaged* key holds the mean of what the workers push, and the server optimizer
+        never touches it (e.g. BatchNorm statistics next to weights that an outer optimizer
+        updates): in ``dist_sync`` and ``local`` each round's value is the mean of the N
+        workers' decoded pushes (their sum divided by N); in ``dist_async`` each decoded push
+        moves the value 1/N of the way to it, ``w + (push - w) / N`` (a running mean of the
+        workers' pushes), and it may be pushed without an optimizer. Any push codec works
+        (the servers decode, then average) and pull compression applies as for any key.
 
         Args:
             key: an int or str key, or a list of them.
@@ -334,14 +350,19 @@ class KVStore:
             compression: the codec of these keys (a spec as for
                 :meth:`set_gradient_compression`) instead of the store's, e.g.
                 ``{"type": "none"}`` for values that must travel exactly; None: the store's.
+            averaged: the keys hold the mean of the pushes (see above); float keys only.
+                Part of the key's spec: every worker must pass the same.
 
         Raises:
             DuplicateInitError: a key was already initialised.
             CodecError: the value's dtype does not suit the compression, or ``compression``
                 is not a valid spec or cannot work with the optimizer already set.
-            ValueMismatchError: another worker declared a different shape, dtype or codec.
+            ValueMismatchError: another worker declared a different shape, dtype, codec or
+                ``averaged``, or an averaged key is not a float key.
         """
         self._check_open()
+        if not isinstance(averaged, bool):
+            raise TypeError(f"expected bool for `averaged`, got {type(averaged).__name__}")
         pairs = key_pairs(key, value, "value")
         with self._api_lock:
             codec, pull_codec = self._codec, self._pull_codec
@@ -362,6 +383,12 @@ class KVStore:
                     self.num_servers,
                     self._servers_on_this_host,
                 )
+                if averaged and not state.dtype.startswith("float"):
+                    raise ValueMismatchError(
+                        f"key {k!r} is {state.dtype}: averaged keys hold a mean, so they must "
+                        f"be float keys"
+                    )
+                state.averaged = averaged
                 state.held = held_weights(pull_codec, state.dtype, state.chunks)
                 states.append((state, v))
             requests = []
@@ -377,6 +404,7 @@ class KVStore:
                         shape=list(state.shape),
                         codec=state.codec.name,
                         codec_params=state.codec.params(),
+                        averaged=True if state.averaged else None,  # (None: left off the wire)
                     )
                     if state.held is not None and pull_codec is not None:
                         ask_for_compressed_pulls(init, pull_codec)
@@ -391,7 +419,8 @@ class KVStore:
                     )
             wait_all(requests, self._options.timeout)
             for state, _ in states:
-                relays = self._options.pull_relay
+                # (an averaged key's value is the mean, not the sum a relayed pull redoes)
+                relays = self._options.pull_relay and not state.averaged
                 state.ready(
                     [relay_limit(relays, self.num_workers, state, chunk) for chunk in state.chunks]
                 )
@@ -402,8 +431,14 @@ class KVStore:
     def _state(self, key: Key) -> KeyState:
         return self._shared.key_state(key)
 
-    def _require_optimizer_for_async(self) -> None:
-        if self.type == "dist_async" and self._shared.optimizer is None:
+    def _require_optimizer_for_async(self, states: Iterable[KeyState]) -> None:
+        """In dist_async a push is applied on arrival by the optimizer: refuse pushes of keys
+        that are not averaged (which take none) before one is set."""
+        if (
+            self.type == "dist_async"
+            and self._shared.optimizer is None
+            and any(not state.averaged for state in states)
+        ):
             raise UsageError(
                 "dist_async applies every push on arrival and needs an optimizer: call "
                 "kv.set_optimizer(...) on every worker before pushing"
@@ -440,9 +475,9 @@ class KVStore:
             borrow: send dense host values from their own memory (see above).
         """
         self._check_open()
-        self._require_optimizer_for_async()
         pairs = key_pairs(key, value, "value")
         work = [(self._state(k), v) for k, v in pairs]
+        self._require_optimizer_for_async(state for state, _ in work)
         for state, v in work:
             state.check_value(v, "value")
         self._pushes.refuse_nonfinite([(state, v) for state, v in work])
@@ -488,10 +523,10 @@ class KVStore:
         the call returns after every push was answered, so only a call that raised leaves
         ``value`` in use (until :meth:`close`)."""
         self._check_open()
-        self._require_optimizer_for_async()
         pairs = key_pairs(key, value, "value")
         outs = [v for _, v in pairs] if out is None else [o for _, o in key_pairs(key, out, "out")]
         work = [(self._state(k), v, o) for (k, v), o in zip(pairs, outs, strict=True)]
+        self._require_optimizer_for_async(state for state, _, _ in work)
         for state, v, o in work:
             state.check_value(v, "value")
             state.check_value(o, "out")

@@ -50,6 +50,7 @@ class KeyState:
     dtype: str
     codec: Codec
     chunks: tuple[Chunk, ...]
+    averaged: bool = False  # the servers hold the mean of the pushes (kv.init(averaged=True))
     # The key's encoder (made at its first push, where its device is known) and its chunks'
     # encoders, in chunk order (all None before).
     key_encoder: KeyEncoder | None = None

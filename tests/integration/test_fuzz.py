@@ -62,6 +62,7 @@ _EXAMPLES = {
     wire.RIDS: [1],
     wire.LANE: 0,
     wire.VERSION: -1,
+    wire.BOOL: False,
 }
 _REALISTIC: dict[Op, list[tuple[dict, list[bytes]]]] = {
     Op.HELLO: [({"r": 0, "nw": 2, "ns": 1, "si": 0, "m": "dist_sync", "ln": 0}, [])],
@@ -83,8 +84,26 @@ _REALISTIC: dict[Op, list[tuple[dict, list[bytes]]]] = {
             },
             [bytes(128)],
         ),
+        (  # an averaged key: its rounds take the mean, not the optimizer's update
+            {
+                "k": "m",
+                "c": 0,
+                "o": 0,
+                "n": 4,
+                "dt": "float32",
+                "sh": [4],
+                "cd": "none",
+                "cp": {},
+                "av": True,
+            },
+            [bytes(16)],
+        ),
     ],  # fmt: skip
-    Op.PUSH: [({"k": "w", "c": 0, "n": 4}, [bytes(16)]), ({"k": "q", "c": 0, "n": 32}, [bytes(8)])],
+    Op.PUSH: [
+        ({"k": "w", "c": 0, "n": 4}, [bytes(16)]),
+        ({"k": "q", "c": 0, "n": 32}, [bytes(8)]),
+        ({"k": "m", "c": 0, "n": 4}, [bytes(16)]),
+    ],
     Op.PUSHPULL: [({"k": "w", "c": 0, "n": 4, "rx": 2}, [bytes(16)])],
     Op.PULL: [({"k": "w", "c": 0, "af": 0, "rx": 2}, []), ({"k": "q", "c": 0, "af": 1}, [])],
     Op.SET_OPTIMIZER: [({"opt": "sgd", "hp": {"learning_rate": 0.1, "momentum": 0.9}}, [])],

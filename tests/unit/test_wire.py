@@ -209,6 +209,21 @@ def test_init_fields_are_validated():
             wire.decode([header])
 
 
+def test_init_averaged_is_an_optional_bool():
+    """``av`` (an averaged key) is left out when not set, so an INIT without it keeps its
+    golden bytes and means a normal key; when sent it must be a bool, not 0 or 1."""
+    good = dict(GOLDEN["INIT"][2])
+    plain = wire.decode(wire.encode(Op.INIT, 2, good, GOLDEN["INIT"][3]))
+    assert plain.body.averaged is None and "av" not in plain.fields
+    assert "av" not in wire.wire_fields(plain.body)  # (what a worker sends for a normal key)
+    averaged = wire.decode(wire.encode(Op.INIT, 2, {**good, "av": True}, GOLDEN["INIT"][3]))
+    assert averaged.body.averaged is True and averaged.fields["av"] is True
+    for value in (1, 0, 1.0, "true", None, [True]):
+        header = msgpack.packb({"v": V, "op": int(Op.INIT), "id": 1, **good, "av": value, "nb": []})
+        with pytest.raises(ProtocolError, match="'av'"):
+            wire.decode([header])
+
+
 def test_fixed_payload_counts_are_enforced():
     header = msgpack.packb({"v": V, "op": int(Op.BARRIER), "id": 1, "nb": [1]})
     with pytest.raises(ProtocolError, match="BARRIER carries 1 payload frames"):

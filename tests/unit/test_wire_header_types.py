@@ -74,6 +74,7 @@ ACCEPTS: dict[Check, tuple[type, ...]] = {
     wire.SHAPE: (list,),
     wire.RIDS: (list,),
     wire.PARAMS: (dict,),
+    wire.BOOL: (bool,),
 }
 """Per field kind (its validator): the exact types some of whose values are valid."""
 
@@ -118,6 +119,7 @@ OUT_OF_RANGE: dict[Check, list[Any]] = {
         {"lr": msgpack.Timestamp(1, 0)},
         {f"p{i}": 0 for i in range(wire.MAX_PARAMS + 1)},
     ],
+    wire.BOOL: [],  # (both bools are valid; 0 and 1, equal to them, are refused as ints)
 }
 """Per field kind: values of an accepted type that are still invalid."""
 
@@ -132,6 +134,7 @@ VALID: dict[Check, Any] = {
     wire.SHAPE: [4],
     wire.RIDS: [1],
     wire.PARAMS: {"lr": 0.1},
+    wire.BOOL: True,
 }
 """Per field kind: a valid value, to build headers that are valid but for one field."""
 
