@@ -255,8 +255,8 @@ class KVStore:
         gradient's.
 
         Args:
-            spec: ``{"type": name, **params}`` with name ``fp16``, ``bf16``, ``2bit``, ``topk``
-                or ``threshold``; ``{"type": "none"}`` (the default) pulls dense values.
+            spec: ``{"type": name, **params}`` with name ``fp16``, ``bf16``, ``2bit``, ``topk``,
+                ``topk2bit`` or ``threshold``; ``{"type": "none"}`` (the default) pulls dense values.
 
         Raises:
             UsageError: a key was already initialised.
@@ -293,10 +293,10 @@ class KVStore:
         the name is unchanged), e.g. for a learning-rate schedule.
 
         Args:
-            name: ``"sgd"`` or ``"adam"``.
+            name: ``"sgd"``, ``"adam"`` or ``"dcasgd"``.
             **hyperparameters: see :mod:`kvstore.optimizer_spec` (``learning_rate``,
-                ``momentum``, ``nesterov``, ``wd``, ``rescale_grad``, ``clip_gradient``,
-                ``beta1``, ``beta2``, ``epsilon``).
+                ``momentum``, ``nesterov``, ``momentum_every``, ``wd``, ``rescale_grad``,
+                ``clip_gradient``, ``beta1``, ``beta2``, ``epsilon``, ``lamda``).
 
         Raises:
             OptimizerError: unknown optimizer or bad hyperparameters (before anything is sent),
