@@ -39,10 +39,16 @@ about F and keeps the total. ``overlap=τ`` pushes a fragment's ``Δ`` at its sy
 its ``θ`` τ inner steps later, while the worker trains on; the late ``θ`` is then mixed with the
 fragment's local weights, ``θ_local ← (1 - α)·θ + α·θ_local`` (``mixing=α``, the paper's 0.5).
 
-Limits of this module: on ``dist_async`` stores the outer step is not staleness-aware (a stale
-``Δ`` is applied as a fresh one) and a resumed run does not repeat the original bit for bit
-(the arrival order decides the result); buffers (BatchNorm statistics) are not synchronized;
-:meth:`DiLoCo.state_dict` is refused while a fragment's round is in flight (see
+Buffers (``buffers=model.named_buffers()``: BatchNorm's running statistics) are averaged at
+each sync of fragment 0 (every H steps) and at :meth:`DiLoCo.synchronize`: their keys are the
+store's *averaged* keys (``kv.init(..., averaged=True)``), which the outer optimizer does not
+touch; on ``dist_async`` each worker's push moves them 1/N of the way to its buffers.
+
+On ``dist_async`` stores the outer step is staleness-aware only through the servers'
+optimizer: ``("sgd", {..., "nesterov": True, "momentum_every": N})`` (delayed Nesterov: the
+momentum taken once every N arrivals, plain steps in between) or ``"dcasgd"``; a resumed
+asynchronous run does not repeat the original bit for bit (the arrival order decides the
+result). :meth:`DiLoCo.state_dict` is refused while a fragment's round is in flight (see
 :class:`DiLoCo`).
 """
 
@@ -109,7 +115,8 @@ class DiLoCo(StoreWrappedOptimizer):
     every worker's ``Δ``. On ``dist_async`` stores each worker's ``Δ`` is applied on arrival
     (weighted by ``rescale_grad``, ``1 / num_workers`` by default) and its sync returns the
     latest ``θ`` without waiting for the others; momentum and Adam's moments then mix the
-    workers' pseudo-gradients in arrival order. Codecs with several round trips per step
+    workers' pseudo-gradients in arrival order, unless the outer optimizer is delayed Nesterov
+    (``momentum_every``) or ``dcasgd``. Codecs with several round trips per step
     (``powersgd``) are refused there, before anything is sent.
 
     Args:
@@ -138,7 +145,11 @@ class DiLoCo(StoreWrappedOptimizer):
         mixing: α, used only when ``overlap > 0``: on the late pull the fragment's parameters
             become ``(1 - α)·θ + α·θ_local`` (``θ_local``: after the τ steps; α = 0 drops them,
             α = 1 keeps only them). With ``overlap=0`` the pulled ``θ`` replaces them.
-        key_prefix: prepended to the parameter names to make the keys.
+        key_prefix: prepended to the parameter and buffer names to make the keys.
+        buffers: ``model.named_buffers()``: buffers averaged over the workers at each sync of
+            fragment 0 and at :meth:`synchronize`, pushed dense (float buffers; integer ones,
+            such as BatchNorm's ``num_batches_tracked``, stay each worker's own). None: no
+            buffer is synchronized.
 
     Each fragment's sync is the same round as the whole model's (push ``Δ`` of its keys, the
     outer step on the servers, pull ``θ``), so the outer optimizer's per-key state is the
@@ -147,9 +158,6 @@ class DiLoCo(StoreWrappedOptimizer):
     :meth:`state_dict` is refused while a round is in flight (after the sync step and before
     its pull, with ``overlap > 0``): save after the steps ``t`` with ``t % (H/F) >= τ``, or
     call :meth:`synchronize` first.
-
-    Buffers (BatchNorm running statistics) are not synchronized: the store's optimizer applies
-    to every key, and averaging buffers needs keys that it does not update.
 
     Raises:
         TypeError, ValueError: bad arguments (naming them).
@@ -172,6 +180,7 @@ class DiLoCo(StoreWrappedOptimizer):
         overlap: int = 0,
         mixing: float = DEFAULT_MIXING,
         key_prefix: str = DEFAULT_KEY_PREFIX,
+        buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
         # (torch.optim.Optimizer.__init__ is not called: the inner optimizer owns the parameter
         # groups and the state, which the properties below hand out.)
@@ -223,6 +232,8 @@ class DiLoCo(StoreWrappedOptimizer):
         self._names = [name for name, _ in named]
         self._params = [param for _, param in named]
         self._keys = [key_prefix + name for name in self._names]
+        self._buffers = _float_buffers(buffers, set(self._names))
+        self._buffer_keys = [key_prefix + name for name, _ in self._buffers]
         if fragments > len(self._params):
             raise ValueError(
                 f"fragments must be at most the number of parameters ({len(self._params)}), "
@@ -239,6 +250,14 @@ class DiLoCo(StoreWrappedOptimizer):
 
         kv.set_optimizer(spec[0], **spec[1])
         kv.init(self._keys, [p.detach() for p in self._params], compression=self._compression)
+        if self._buffers:
+            kv.init(
+                self._buffer_keys,
+                [b for _, b in self._buffers],
+                compression={"type": "none"},
+                averaged=True,
+            )
+            self._pull_buffers()
         # θ as last pulled (rank 0's parameters at first): where every Δ starts from.
         self._theta = [
             torch.empty_like(p, memory_format=torch.contiguous_format) for p in self._params
@@ -252,6 +271,11 @@ class DiLoCo(StoreWrappedOptimizer):
     def keys(self) -> tuple[str, ...]:
         """The keys, one per parameter, in the order of ``named_parameters``."""
         return tuple(self._keys)
+
+    @property
+    def buffer_keys(self) -> tuple[str, ...]:
+        """The keys of the averaged buffers, in the order of ``buffers``."""
+        return tuple(self._buffer_keys)
 
     @property
     def sync_every(self) -> int:
@@ -335,12 +359,24 @@ class DiLoCo(StoreWrappedOptimizer):
         if self._in_flight is not None:
             self._finish_round()
         self._push_deltas(range(len(self._keys)))
+        self._push_buffers()
         self._pull_outer_weights()
+        self._pull_buffers()
 
     def _start_round(self, fragment: int) -> None:
         self._push_deltas(self._fragments[fragment])
+        if fragment == 0:
+            self._push_buffers()
         self._in_flight = fragment
         self._pull_at = self._steps + self._overlap
+
+    def _push_buffers(self) -> None:
+        if self._buffers:
+            self._kv.push(self._buffer_keys, [b for _, b in self._buffers])
+
+    def _pull_buffers(self) -> None:
+        if self._buffers:
+            self._kv.pull(self._buffer_keys, out=[b for _, b in self._buffers])
 
     def _push_deltas(self, indices: Iterable[int]) -> None:
         indices = list(indices)
@@ -357,6 +393,8 @@ class DiLoCo(StoreWrappedOptimizer):
         assert fragment is not None
         indices = self._fragments[fragment]
         self._kv.pull([self._keys[i] for i in indices], out=[self._theta[i] for i in indices])
+        if fragment == 0:
+            self._pull_buffers()
         self._in_flight = None
         with torch.no_grad():
             for i in indices:
@@ -528,6 +566,27 @@ def _contiguous_fragments(sizes: list[int], count: int) -> list[list[int]]:
         bounds.append(cut[groups][bounds[-1]])
     bounds.reverse()
     return [list(range(bounds[g], bounds[g + 1])) for g in range(count)]
+
+
+def _float_buffers(
+    buffers: Iterable[tuple[str, torch.Tensor]] | None, parameter_names: set[str]
+) -> list[tuple[str, torch.Tensor]]:
+    """The float buffers of ``named_buffers()`` (the ones a mean means something for)."""
+    if buffers is None:
+        return []
+    found = []
+    for item in buffers:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise TypeError(
+                f"buffers must be (name, tensor) pairs, as model.named_buffers() gives; got "
+                f"{type(item).__name__}"
+            )
+        name, tensor = item
+        if name in parameter_names:
+            raise ValueError(f"buffer {name!r} has the name of a parameter")
+        if tensor.is_floating_point():
+            found.append((name, tensor))
+    return found
 
 
 def _check_async_codec(compression: Mapping[str, Any]) -> None:

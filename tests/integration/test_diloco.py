@@ -336,3 +336,64 @@ def test_async_store_is_accepted_and_a_codec_it_cannot_run_is_refused(addresses)
             return repr(opt)
 
     assert all(r.startswith("DiLoCo(SGD, 4 keys") for r in run_ranks(WORKERS, rank_job))
+
+
+class BatchNormNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def test_buffers_are_averaged_at_each_sync_and_the_outer_step_skips_them(addresses):
+    """BatchNorm's running statistics: every worker starts from rank 0's, and after each sync
+    holds the mean of the workers' statistics before it (exact: (a + b) / 2), while the
+    parameters take the outer Nesterov step; the integer batch counter stays each worker's."""
+    torch.manual_seed(3)
+    start = BatchNormNet()
+    sync_every, steps = 2, 6
+    before: dict[tuple[int, int], list[torch.Tensor]] = {}
+    after: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def rank_job(rank: int) -> tuple[tuple[str, ...], int]:
+        model = copy.deepcopy(start)
+        if rank == 1:  # not rank 0's statistics: the construction must replace them
+            with torch.no_grad():
+                model.norm.running_mean.fill_(5.0)
+        with connect(addresses, rank, WORKERS) as kv:
+            opt = kvt.DiLoCo(
+                inner_sgd(model),
+                model.named_parameters(),
+                kv=kv,
+                sync_every=sync_every,
+                outer=("sgd", {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}),
+                buffers=model.named_buffers(),
+            )
+            assert torch.equal(model.norm.running_mean, start.norm.running_mean)
+            for step in range(steps):
+                opt.zero_grad()
+                loss_of(model, rank, step).backward()  # the forward updates the statistics
+                stats = [model.norm.running_mean.clone(), model.norm.running_var.clone()]
+                before[(rank, step)] = stats
+                opt.step()
+                stats = [model.norm.running_mean.clone(), model.norm.running_var.clone()]
+                after[(rank, step)] = stats
+            return opt.buffer_keys, int(model.norm.num_batches_tracked)
+
+    results = run_ranks(WORKERS, rank_job)
+    assert results[0] == results[1] == (("kvt.diloco/norm.running_mean",
+                                         "kvt.diloco/norm.running_var"), steps)  # fmt: skip
+    for step in range(steps):
+        synced = (step + 1) % sync_every == 0
+        for i in range(2):
+            mine = [before[(rank, step)][i] for rank in range(WORKERS)]
+            for rank in range(WORKERS):
+                got = after[(rank, step)][i]
+                want = (mine[0] + mine[1]) / WORKERS if synced else mine[rank]
+                assert torch.equal(got, want), (step, rank, i)
+    # Not averaged: the statistics of the two workers differed between syncs.
+    assert not torch.equal(before[(0, 0)][0], before[(1, 0)][0])
