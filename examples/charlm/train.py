@@ -26,7 +26,8 @@ Without the launcher's environment (``KVSTORE_SERVERS`` not set) it trains alone
 mode and says so on stderr. Every ``--eval-every`` steps (and after the last), worker 0
 evaluates its model on the same fixed validation windows (mean next-byte cross-entropy and
 perplexity ``exp(loss)``), prints a line, and with ``--json PATH`` (``-``: stdout) writes one
-JSON line: ``step``, ``samples`` (sequences seen by all workers), ``loss`` (worker 0's training
+JSON line: ``step``, ``samples`` (sequences seen by all workers: ``step`` x ``--batch-size`` x
+workers, exact when the workers keep step, as on ``dist_sync``), ``loss`` (worker 0's training
 loss since the last evaluation), ``val_loss``, ``perplexity``, ``pushed_bytes_total``,
 ``pushed_raw_bytes_total``, ``pulled_bytes_total`` (worker 0's ``kv.stats()``), ``seconds``
 (since training started, evaluations included) and the run's configuration. In ``diloco``
