@@ -31,7 +31,8 @@ workers, exact when the workers keep step, as on ``dist_sync``), ``loss`` (worke
 loss since the last evaluation), ``val_loss``, ``perplexity``, ``pushed_bytes_total``,
 ``pushed_raw_bytes_total``, ``pulled_bytes_total`` (worker 0's ``kv.stats()``), ``seconds``
 (since training started, evaluations included) and the run's configuration. In ``diloco``
-mode the model evaluated is worker 0's at that step (``θ`` right after a whole-model sync).
+mode the model evaluated is the outer weights ``θ`` as last pulled (the model the job agrees
+on), and the last step ends with an outer step of the whole model unless it just took one.
 
 ``--slowdown X --slow-rank R`` makes worker R's compute X times slower: after each step it
 sleeps X - 1 times what that step's computation took (forward, backward, clipping and the
@@ -315,6 +316,34 @@ def open_json(target: str | None) -> TextIO | None:
     return sys.stdout if target == "-" else open(target, "w")  # noqa: SIM115 (closed in main)
 
 
+def synced_whole(opt: kvt.DiLoCo) -> bool:
+    """Whether the step just taken ended with every key's θ pulled (no round left)."""
+    return opt.fragments == 1 and not opt.round_in_flight and opt.steps % opt.sync_every == 0
+
+
+def evaluate_job_model(
+    model: torch.nn.Module,
+    opt: kvt.DistributedOptimizer | kvt.DiLoCo,
+    windows: tuple[torch.Tensor, ...],
+) -> float:
+    """:func:`evaluate` of the job's model: the model itself, or with DiLoCo its outer weights
+    ``θ`` as last pulled (up to H - 1 steps behind the local replicas); the local weights are
+    put back after."""
+    if not isinstance(opt, kvt.DiLoCo):
+        return evaluate(model, windows)
+    params = list(model.parameters())
+    with torch.no_grad():
+        local = [p.detach().clone() for p in params]
+        for param, theta in zip(params, opt.outer_weights, strict=True):
+            param.copy_(theta)
+    try:
+        return evaluate(model, windows)
+    finally:
+        with torch.no_grad():
+            for param, saved in zip(params, local, strict=True):
+                param.copy_(saved)
+
+
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
@@ -359,11 +388,11 @@ def main() -> None:
             time.sleep((slowdown - 1.0) * clock.seconds)
         if step % args.eval_every and step != args.steps:
             continue
-        if step == args.steps and isinstance(opt, kvt.DiLoCo) and opt.round_in_flight:
-            opt.synchronize()  # land the last round (every worker's schedule is the same)
+        if step == args.steps and isinstance(opt, kvt.DiLoCo) and not synced_whole(opt):
+            opt.synchronize()  # the final θ holds every step (every worker's schedule is the same)
         if rank != 0:
             continue
-        val_loss = evaluate(model, validation)
+        val_loss = evaluate_job_model(model, opt, validation)
         stats = kv.stats()
         record = {
             "step": step,

@@ -7,7 +7,7 @@ codec's error feedback), ``--pull-compression`` the outer weights pulled back, a
 ``--momentum`` and ``--wd`` are the inner optimizer's. The accuracy worker 0 reports is that of
 the outer weights ``θ`` as last pulled (the model the job agrees on; up to H - 1 steps behind
 the local replicas), and the last epoch ends with an outer step of the whole model
-(``synchronize``), so that the final ``θ`` holds every step taken.
+(``synchronize``) unless its last step took one, so that the final ``θ`` holds every step.
 """
 
 from __future__ import annotations

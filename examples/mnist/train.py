@@ -263,6 +263,11 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 50
     return correct / len(y)
 
 
+def synced_whole(opt: kvt.DiLoCo) -> bool:
+    """Whether the step just taken ended with every key's θ pulled (no round left)."""
+    return opt.fragments == 1 and not opt.round_in_flight and opt.steps % opt.sync_every == 0
+
+
 def test_accuracy_of(
     model: nn.Module,
     opt: kvt.DistributedOptimizer | kvt.DiLoCo,
@@ -396,7 +401,7 @@ def main() -> None:
             slowdown.finish()
             if progress:
                 bar.set_postfix(loss=f"{total_loss / (step + 1):.4f}", refresh=False)
-        if isinstance(opt, kvt.DiLoCo) and epoch == args.epochs:
+        if isinstance(opt, kvt.DiLoCo) and epoch == args.epochs and not synced_whole(opt):
             opt.synchronize()  # the final θ holds every step taken
         stats = kv.stats()
         record = epoch_record(epoch, before, stats, first, steps)
