@@ -133,7 +133,8 @@ class Cluster:
 
     Args:
         num_hosts: hosts to create.
-        rate_mbit: link rate, megabits per second.
+        rate_mbit: link rate, megabits per second; 0: links not shaped (veths at the
+            machine's own speed).
         mtu: MTU of every link (1500 is standard Ethernet; 9000 jumbo frames).
         burst_bytes: token bucket depth of the shapers.
         queue_ms: how much queue (in time at the link rate) the shapers hold before dropping.
@@ -233,6 +234,8 @@ class Cluster:
         packet's TOS, so a host's low-delay packets pass its bulk ones. Its length is the
         device's ``txqueuelen`` in packets, set here to hold ``queue_ms`` of full-size frames.
         """
+        if self.rate_mbit <= 0:
+            return  # links that cost nothing: a run's compute floor
         prefix = ["ip", "netns", "exec", netns] if netns else []
         queue_bytes = self.rate_bytes_per_s * self.queue_ms / 1000
         frames = str(max(16, int(queue_bytes // self.mtu)))

@@ -20,7 +20,17 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
 * ``ps-2bit-bf16``: 2-bit pushes and bf16 compressed pulls;
 * ``ps-topk``: top-k pushes (ratio 0.01) and top-k compressed pulls (ratio 0.01);
 * ``ddp-fp32``: DDP's allreduce of fp32 gradients;
-* ``ddp-powersgd``: DDP with torch's PowerSGD hook, rank 4.
+* ``ddp-powersgd``: DDP with torch's PowerSGD hook, rank 4;
+* ``diloco``: the example's DiLoCo mode (``--diloco``, :mod:`kvstore.torch.DiLoCo`): the same
+  SGD as every other run's, locally, and every H steps an outer step on the servers, dense
+  pseudo-gradients and weights;
+* ``diloco-topk``: the same with top-k pseudo-gradients (error feedback) and top-k pulls;
+* ``diloco-topk-2bit``: top-k pushes whose kept values are 2-bit (SparseLoCo-like) and top-k
+  pulls.
+
+DiLoCo runs report the accuracy of the outer weights (the model the job agrees on).
+``--floor RUN ...`` also trains those runs on links that cost nothing (the same hosts, links
+not shaped): the run's compute floor, to which the summary compares its time on shaped links.
 
 Prints a JSON line per epoch of each run (its cumulative seconds included) and one per run
 with the seconds to ``--target`` (null when the run never got there); ``--table`` and
@@ -45,6 +55,10 @@ from typing import Any
 from benchmarks.common import append_jsonl, emit, machine, server_addresses
 from benchmarks.training import Training, ddp_command, epoch_record, example_command
 
+DILOCO = ["--diloco", "10", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+"""The DiLoCo runs' options: H = 10 inner steps per outer step, the paper's outer Nesterov
+SGD (learning rate 0.7, momentum 0.9)."""
+
 RUNS: dict[str, dict[str, Any]] = {
     "ps-dense": {"push": "none", "pull": "none"},
     "ps-2bit": {"push": "2bit:threshold=0.01,residual_clip=1", "pull": "2bit:threshold=0.002"},
@@ -52,12 +66,18 @@ RUNS: dict[str, dict[str, Any]] = {
     "ps-topk": {"push": "topk:ratio=0.01", "pull": "topk:ratio=0.01"},
     "ddp-fp32": {"ddp": 0},
     "ddp-powersgd": {"ddp": 4},
-}
+    "diloco": {"push": "none", "pull": "none", "diloco": DILOCO},
+    "diloco-topk": {"push": "topk:ratio=0.01", "pull": "topk:ratio=0.01", "diloco": DILOCO},
+    "diloco-topk-2bit": {"push": "topk2bit:ratio=0.01", "pull": "topk:ratio=0.01",
+                         "diloco": DILOCO},
+}  # fmt: skip
 
 PRESETS = {
-    "smoke": {"runs": ["ps-2bit", "ddp-fp32"], "epochs": 1, "rate": 1000.0, "workers": 2,
-              "model": "mlp"},
+    "smoke": {"runs": ["ps-2bit", "ddp-fp32", "diloco"], "floor": ["diloco"], "epochs": 1,
+              "rate": 1000.0, "workers": 2, "model": "mlp"},
     "full": {"runs": list(RUNS), "epochs": 24, "rate": 100.0, "workers": 4, "model": "cnn"},
+    "slow": {"runs": ["ddp-powersgd", "ps-topk", "ps-2bit", "diloco-topk", "diloco-topk-2bit"],
+             "epochs": 24, "rate": 10.0, "workers": 4, "model": "cnn"},
 }  # fmt: skip
 
 
@@ -100,7 +120,12 @@ def run_ps(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subpr
         worker_env = {**env, "KVSTORE_SERVERS": addresses, "KVSTORE_RANK": str(rank),
                       "KVSTORE_NUM_WORKERS": str(n)}  # fmt: skip
         argv = example_command(
-            _training(args), push=run["push"], pull=run["pull"], optimizer="server", json_to="-"
+            _training(args),
+            push=run["push"],
+            pull=run["pull"],
+            optimizer="server",
+            json_to="-",
+            extra=run.get("diloco", ()),
         )
         workers.append(
             cluster.popen(
@@ -136,10 +161,11 @@ def run_ddp(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subp
     return workers[0]
 
 
-def run_one(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
-    """Train run ``name`` on a fresh cluster until worker 0 reports the target accuracy (unless
-    ``args.no_stop``), ``args.epochs`` epochs or ``args.timeout`` seconds; worker 0's epoch
-    records (cumulative seconds in ``wall``).
+def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, Any]]:
+    """Train run ``name`` on a fresh cluster with links of ``rate`` Mbit/s (0: not shaped)
+    until worker 0 reports the target accuracy (unless ``args.no_stop``), ``args.epochs``
+    epochs or ``args.timeout`` seconds; worker 0's epoch records (cumulative seconds in
+    ``wall``).
 
     Raises:
         RuntimeError: the workers stopped before any of those, or reported no epoch.
@@ -148,7 +174,7 @@ def run_one(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
 
     run = RUNS[name]
     records: list[dict[str, Any]] = []
-    with Cluster(args.workers, args.rate) as cluster:
+    with Cluster(args.workers, rate) as cluster:
         lead = (run_ddp if "ddp" in run else run_ps)(cluster, args, run)
         deadline = time.monotonic() + args.timeout
         output = []
@@ -160,6 +186,7 @@ def run_one(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             if epoch is not None:
                 wall += epoch["seconds"]
                 records.append({"bench": "time_to_accuracy", "run": name, **_spec(run),
+                                "rate_mbit": rate, "pushed_bytes": epoch.get("pushed_bytes_total"),
                                 "epoch": epoch["epoch"], "accuracy": epoch["accuracy"],
                                 "seconds": round(epoch["seconds"], 3), "wall": round(wall, 3),
                                 **({"pulled_bytes": epoch["pulled_bytes"]}
@@ -181,7 +208,8 @@ def run_one(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
 def _spec(run: dict[str, Any]) -> dict[str, Any]:
     if "ddp" in run:
         return {"system": "ddp", "powersgd_rank": run["ddp"]}
-    return {"system": "kvstore", "push": run["push"], "pull": run["pull"]}
+    spec = {"system": "kvstore", "push": run["push"], "pull": run["pull"]}
+    return {**spec, "diloco": " ".join(run["diloco"])} if "diloco" in run else spec
 
 
 def time_to(records: list[dict[str, Any]], target: float) -> float | None:
@@ -189,18 +217,33 @@ def time_to(records: list[dict[str, Any]], target: float) -> float | None:
     return next((r["wall"] for r in records if r["accuracy"] >= target), None)
 
 
-def summaries(by_run: dict[str, list[dict[str, Any]]], target: float) -> list[dict[str, Any]]:
-    return [
-        {
+def summaries(
+    by_run: dict[str, list[dict[str, Any]]],
+    target: float,
+    floors: dict[str, list[dict[str, Any]]] | None = None,
+) -> list[dict[str, Any]]:
+    """One line per run: seconds to ``target``, epochs, bytes worker 0 pushed; with its run on
+    links that cost nothing (``floors``), that run's seconds and the ratio to them."""
+    lines = []
+    for name, records in by_run.items():
+        seconds = time_to(records, target)
+        reached = next((r for r in records if r["accuracy"] >= target), None)
+        line = {
             "bench": "time_to_accuracy",
             "run": name,
             "target": target,
-            "seconds_to_target": time_to(records, target),
+            "seconds_to_target": seconds,
             "final_accuracy": records[-1]["accuracy"] if records else None,
             "epochs": len(records),
+            "epochs_to_target": None if reached is None else reached["epoch"],
+            "pushed_bytes_to_target": None if reached is None else reached.get("pushed_bytes"),
         }  # fmt: skip
-        for name, records in by_run.items()
-    ]
+        floor = time_to((floors or {}).get(name, []), target)
+        if floor is not None:
+            line["floor_seconds"] = floor
+            line["over_floor"] = round(seconds / floor, 2) if seconds is not None else None
+        lines.append(line)
+    return lines
 
 
 def write_table(path: Path, summary: list[dict[str, Any]], target: float) -> None:
@@ -210,13 +253,17 @@ def write_table(path: Path, summary: list[dict[str, Any]], target: float) -> Non
         b = times.get(base)
         return f"{b / t:.2f}x" if b and t else "-"
 
-    header = f"| run | seconds to {target:.0%} | final accuracy | dense PS / run | DDP fp32 / run |"
-    lines = [header, "|---|---|---|---|---|"]
+    header = (f"| run | epochs | seconds to {target:.0%} | final accuracy | dense PS / run "
+              "| DDP fp32 / run | PowerSGD / run | over floor |")  # fmt: skip
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
     for s in summary:
         t = s["seconds_to_target"]
         shown = f"{t:.1f}" if t is not None else "not reached"
-        lines.append(f"| {s['run']} | {shown} | {s['final_accuracy']:.2%} | "
-                     f"{ratio('ps-dense', t)} | {ratio('ddp-fp32', t)} |")  # fmt: skip
+        floor = f"{s['over_floor']:.2f}x" if s.get("over_floor") else "-"
+        lines.append(f"| {s['run']} | {s['epochs_to_target'] or '-'} | {shown} | "
+                     f"{s['final_accuracy']:.2%} | {ratio('ps-dense', t)} | "
+                     f"{ratio('ddp-fp32', t)} | {ratio('ddp-powersgd', t)} "
+                     f"| {floor} |")  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -256,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--no-stop", action="store_true",
                         help="train every epoch, not only until the target")  # fmt: skip
+    parser.add_argument(
+        "--floor",
+        nargs="*",
+        choices=sorted(RUNS),
+        metavar="RUN",
+        help="also train these runs on links that cost nothing (not shaped)",
+    )
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     parser.add_argument("--table", type=Path, help="write a markdown table")
     parser.add_argument("--plot", type=Path, help="write a PNG of accuracy against wall time")
@@ -270,12 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("runs", "workers", "epochs", "rate", "model"):
         if getattr(args, name) is None:
             setattr(args, name, preset[name])
+    if args.floor is None:
+        args.floor = preset.get("floor", [])
     by_run: dict[str, list[dict[str, Any]]] = {}
+    floors: dict[str, list[dict[str, Any]]] = {}
     if args.source is not None:
         for line in args.source.read_text().splitlines():
             record = json.loads(line)
             if "epoch" in record:
-                by_run.setdefault(record["run"], []).append(record)
+                runs = floors if record.get("rate_mbit") == 0 else by_run
+                runs.setdefault(record["run"], []).append(record)
             elif "preset" in record:  # the setting the plot's title names
                 args.workers = record.get("workers", args.workers)
                 args.rate = record.get("rate_mbit", args.rate)
@@ -289,15 +347,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: namespaces go
         started = time.time()
-        for name in args.runs:
+        planned = [(name, args.rate) for name in args.runs]
+        planned += [(name, 0.0) for name in args.floor]
+        for name, rate in planned:
             try:
-                records = run_one(args, name)
+                records = run_one(args, name, rate)
             except Exception as exc:
-                emit(failed := {"bench": "time_to_accuracy", "run": name,
+                emit(failed := {"bench": "time_to_accuracy", "run": name, "rate_mbit": rate,
                                 "error": str(exc)[-1500:]})  # fmt: skip
                 append_jsonl(args.out, failed)
                 continue
-            by_run[name] = records
+            (floors if rate == 0 else by_run)[name] = records
             for record in records:
                 emit(record)
                 append_jsonl(args.out, record)
@@ -306,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                    "wall_seconds": round(time.time() - started, 1)}  # fmt: skip
         emit(setting)
         append_jsonl(args.out, setting)
-    summary = summaries(by_run, args.target)
+    summary = summaries(by_run, args.target, floors)
     for line in summary:
         emit(line)
     if args.table is not None:

@@ -448,21 +448,33 @@ def _tear_down_leftovers(
 
 def test_time_to_accuracy_smoke_or_reports_why_not(tmp_path):
     out = tmp_path / "tta.jsonl"
-    records = run("time_to_accuracy", "--out", str(out), "--table", str(tmp_path / "t.md"))
+    # A target one epoch of the MLP reaches: every run has a time, DiLoCo's a floor.
+    records = run(
+        "time_to_accuracy", "--out", str(out), "--table", str(tmp_path / "t.md"), "--target", "0.5"
+    )
     if "skipped" in records[0]:  # no root or no iproute2 here: the harness says why
         assert records[0]["skipped"]
         return
     epochs = [r for r in records if "epoch" in r]
-    assert [r["run"] for r in epochs] == ["ps-2bit", "ddp-fp32"]  # one epoch each
+    # one epoch each, then DiLoCo's again on links that cost nothing (its compute floor)
+    assert [r["run"] for r in epochs] == ["ps-2bit", "ddp-fp32", "diloco", "diloco"]
+    assert [r["rate_mbit"] for r in epochs] == [1000.0, 1000.0, 1000.0, 0.0]
     for r in epochs:
         assert 0 < r["accuracy"] <= 1, r
         # one epoch: its cumulative wall time is its own (times reported, their values not bound)
         assert isinstance(r["seconds"], float) and r["wall"] == r["seconds"], r
     assert epochs[0]["pulled_bytes"] > 0  # the compressed pulls' bytes are reported
+    assert epochs[2]["diloco"].startswith("--diloco ") and epochs[2]["pushed_bytes"] > 0
     summary = [r for r in records if "seconds_to_target" in r]
-    assert [r["run"] for r in summary] == ["ps-2bit", "ddp-fp32"]
+    assert [r["run"] for r in summary] == ["ps-2bit", "ddp-fp32", "diloco"]
+    assert "floor_seconds" not in summary[0]  # the floor is measured for the runs it names
+    diloco = summary[2]
+    assert diloco["floor_seconds"] == epochs[3]["wall"]
+    assert diloco["over_floor"] == round(diloco["seconds_to_target"] / diloco["floor_seconds"], 2)
     # the table is rebuilt from the JSON lines alone
-    again = run("time_to_accuracy", "--from", str(out), "--table", str(tmp_path / "u.md"))
+    again = run(
+        "time_to_accuracy", "--from", str(out), "--table", str(tmp_path / "u.md"), "--target", "0.5"
+    )
     assert [r for r in again if "seconds_to_target" in r] == summary
     assert (tmp_path / "u.md").read_text() == (tmp_path / "t.md").read_text()
 
@@ -513,3 +525,34 @@ def test_hostile_input_probe_smoke():
     assert flood["lines_with_control_characters"] == 0, flood
     assert not flood["forged_line_appears"], flood
     assert flood["log_lines"] < flood["bad_messages"] // 10, flood  # throttled
+
+
+def test_diloco_convergence_smoke(tmp_path):
+    """Per-step training and Streaming DiLoCo (H = 8) on the same data: every evaluation is
+    reported, and DiLoCo moves about H times fewer bytes (the bytes of a run follow from its
+    schedule; its accuracy is not bound)."""
+    out = tmp_path / "dc.jsonl"
+    records = run("diloco_convergence", "--out", str(out), "--table", str(tmp_path / "t.md"))
+    points = [r for r in records if "quality" in r and "bytes_per_worker" not in r]
+    assert {r["run"] for r in points} == {"sync", "streaming"}
+    summary = {r["run"]: r for r in records if "bytes_per_worker" in r}
+    assert summary["sync"]["bytes_fewer"] == 1.0 and summary["sync"]["sync_every"] is None
+    streaming = summary["streaming"]
+    assert streaming["sync_every"] == 8 and streaming["steps"] == summary["sync"]["steps"]
+    assert 6 < streaming["bytes_fewer"] < 9, streaming
+    assert 0 < streaming["quality"] <= 100
+    again = run("diloco_convergence", "--from", str(out), "--table", str(tmp_path / "u.md"))
+    assert [r for r in again if "bytes_per_worker" in r] == list(summary.values())
+    assert (tmp_path / "u.md").read_text() == (tmp_path / "t.md").read_text()
+
+
+def test_diloco_async_smoke():
+    """A slow worker under dist_sync and under dist_async with delayed Nesterov: each run's
+    epochs and summary (times reported, never bound)."""
+    records = run("diloco_async")
+    summary = [r for r in records if "seconds_to_target" in r]
+    assert [r["run"] for r in summary] == ["sync", "async-delayed-nesterov"]
+    for line in summary:
+        assert 0 < line["final_accuracy"] <= 1 and line["epochs"] == 1, line
+    setting = next(r for r in records if "preset" in r)
+    assert setting["slowdown"] == 2.5 and setting["workers"] == 2
