@@ -16,7 +16,8 @@ The runs (:data:`CONFIGS`), each with every ``--sync-every`` H:
 * ``sync``: synchronous data-parallel, dense (the baseline; once, whatever H);
 * ``diloco``: dense pseudo-gradients and weights, the workload's outer optimizer;
 * ``diloco-topk``: top-k 1% pseudo-gradients (error feedback) and bf16 pulls;
-* ``diloco-2bit``: 2-bit pseudo-gradients (threshold 0.002) and bf16 pulls;
+* ``diloco-2bit``: 2-bit pseudo-gradients and bf16 pulls (threshold 0.01 for the CNN, 0.002
+  for the language model: about the size of their pseudo-gradients' entries);
 * ``diloco-topk-2bit``: ``topk2bit`` pseudo-gradients (top-k 1%, values in 2 bits, error
   feedback) and bf16 pulls;
 * ``streaming``: Streaming DiLoCo, dense, ``fragments`` 4 and ``overlap`` 1, the workload's
@@ -59,13 +60,22 @@ CONFIGS: dict[str, dict[str, str]] = {
     "sync": {"push": "none", "pull": "none"},
     "diloco": {"push": "none", "pull": "none"},
     "diloco-topk": {"push": "topk:ratio=0.01", "pull": "bf16", "outer": "average"},
-    "diloco-2bit": {"push": "2bit:threshold=0.002", "pull": "bf16", "outer": "average"},
+    "diloco-2bit": {"push": "2bit:threshold={threshold}", "pull": "bf16", "outer": "average"},
     "diloco-topk-2bit": {"push": "topk2bit:ratio=0.01", "pull": "bf16", "outer": "average"},
     "streaming": {"push": "none", "pull": "none", "fragments": "4", "overlap": "1"},
 }
 """Each run's push and pull compression (the example's specs), and Streaming DiLoCo's options."""
 
+TWO_BIT_THRESHOLD = {"cnn": 0.01, "lm": 0.002}
+"""The 2-bit threshold of each workload's pseudo-gradients."""
+
 BASELINE = "sync"
+
+
+def push_spec(workload: str, config: str) -> str:
+    """The push codec spec of one run."""
+    return CONFIGS[config]["push"].format(threshold=TWO_BIT_THRESHOLD[workload])
+
 
 AVERAGE = (1.0, 0.0)
 """Outer SGD with learning rate 1 and no momentum: the mean of the workers' models."""
@@ -93,7 +103,8 @@ def cnn_command(args: argparse.Namespace, config: str, h: int, json_path: Path) 
     command = [sys.executable, str(CNN_EXAMPLE), "--no-progress", "--json", str(json_path),
                "--model", args.cnn_model, "--epochs", str(args.cnn_epochs), "--lr", "0.05",
                "--momentum", "0.9", "--seed", str(args.seed), "--optimizer", "server",
-               "--compression", run["push"], "--pull-compression", run["pull"]]  # fmt: skip
+               "--compression", push_spec("cnn", config),
+               "--pull-compression", run["pull"]]  # fmt: skip
     if config != BASELINE:
         command += ["--diloco", str(h), *outer_options(args, "cnn", config),
                     "--fragments", run.get("fragments", "1"),
@@ -107,7 +118,8 @@ def lm_command(args: argparse.Namespace, config: str, h: int, json_path: Path) -
     steps = args.lm_steps
     command = [sys.executable, str(LM_EXAMPLE), "--json", str(json_path), "--steps", str(steps),
                "--eval-every", str(max(1, steps // 10)), "--seed", str(args.seed),
-               "--compression", run["push"], "--pull-compression", run["pull"]]  # fmt: skip
+               "--compression", push_spec("lm", config),
+               "--pull-compression", run["pull"]]  # fmt: skip
     if args.lm_options:
         command += args.lm_options.split()
     if config == BASELINE:

@@ -22,11 +22,13 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
 * ``ddp-fp32``: DDP's allreduce of fp32 gradients;
 * ``ddp-powersgd``: DDP with torch's PowerSGD hook, rank 4;
 * ``diloco``: the example's DiLoCo mode (``--diloco``, :mod:`kvstore.torch.DiLoCo`): the same
-  SGD as every other run's, locally, and every H steps an outer step on the servers, dense
-  pseudo-gradients and weights;
-* ``diloco-topk``: the same with top-k pseudo-gradients (error feedback) and top-k pulls;
-* ``diloco-topk-2bit``: top-k pushes whose kept values are 2-bit (SparseLoCo-like) and top-k
-  pulls.
+  SGD as every other run's, locally, and every 31 steps (an epoch) an outer step on the
+  servers (the paper's Nesterov SGD, learning rate 0.7, momentum 0.9), dense pseudo-gradients
+  and weights;
+* ``diloco-topk``: top-k 10% pseudo-gradients (error feedback) and bf16 pulls, the outer step
+  a plain average (outer SGD, learning rate 1, no momentum: error feedback in its place);
+* ``diloco-topk-2bit``: ``topk2bit`` 10% both ways (top-k, the kept values in 2 bits), the
+  outer step a plain average.
 
 DiLoCo runs report the accuracy of the outer weights (the model the job agrees on).
 ``--floor RUN ...`` also trains those runs on links that cost nothing (the same hosts, links
@@ -55,9 +57,12 @@ from typing import Any
 from benchmarks.common import append_jsonl, emit, machine, server_addresses
 from benchmarks.training import Training, ddp_command, epoch_record, example_command
 
-DILOCO = ["--diloco", "10", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
-"""The DiLoCo runs' options: H = 10 inner steps per outer step, the paper's outer Nesterov
-SGD (learning rate 0.7, momentum 0.9)."""
+DILOCO = ["--diloco", "31", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+"""Dense DiLoCo's options: H = 31 inner steps per outer step (one epoch of 4 workers), the
+paper's outer Nesterov SGD (learning rate 0.7, momentum 0.9)."""
+
+DILOCO_AVERAGE = ["--diloco", "31", "--outer-lr", "1.0", "--outer-momentum", "0"]
+"""Compressed DiLoCo's options: H = 31, the outer step the mean of the workers' models."""
 
 RUNS: dict[str, dict[str, Any]] = {
     "ps-dense": {"push": "none", "pull": "none"},
@@ -67,9 +72,9 @@ RUNS: dict[str, dict[str, Any]] = {
     "ddp-fp32": {"ddp": 0},
     "ddp-powersgd": {"ddp": 4},
     "diloco": {"push": "none", "pull": "none", "diloco": DILOCO},
-    "diloco-topk": {"push": "topk:ratio=0.01", "pull": "topk:ratio=0.01", "diloco": DILOCO},
-    "diloco-topk-2bit": {"push": "topk2bit:ratio=0.01", "pull": "topk:ratio=0.01",
-                         "diloco": DILOCO},
+    "diloco-topk": {"push": "topk:ratio=0.1", "pull": "bf16", "diloco": DILOCO_AVERAGE},
+    "diloco-topk-2bit": {"push": "topk2bit:ratio=0.1", "pull": "topk2bit:ratio=0.1",
+                         "diloco": DILOCO_AVERAGE},
 }  # fmt: skip
 
 PRESETS = {
