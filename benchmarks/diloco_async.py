@@ -2,7 +2,8 @@
 ``dist_async`` (each worker's pseudo-gradient applied on arrival), with the staleness-aware outer
 steps, on the same data.
 
-Every run trains the MNIST example's CNN in its DiLoCo mode under ``kvstore-launch`` (4 workers,
+The other runs' outer step is plain averaging (``--outer-lr`` 1, ``--outer-momentum`` 0). Every
+run trains the MNIST example's CNN in its DiLoCo mode under ``kvstore-launch`` (4 workers,
 1 server, loopback), the last worker made ``--slowdown`` times slower (it sleeps that many times
 each step's own time, less one): a worker on a slower device. Worker 0 (a fast one) reports
 the accuracy of the outer weights after each of its epochs; the runs (:data:`RUNS`):
@@ -10,8 +11,9 @@ the accuracy of the outer weights after each of its epochs; the runs (:data:`RUN
 * ``sync-equal``: ``dist_sync``, no slow worker (the reference speed);
 * ``sync``: ``dist_sync`` with the slow worker;
 * ``async``: ``dist_async``, the same outer SGD applied to each ``Δ / N`` on arrival;
-* ``async-delayed-nesterov``: ``dist_async``, outer Nesterov momentum refreshed once every N
-  arrivals, momentum-free steps in between (Liu et al. 2024);
+* ``async-delayed-nesterov``: ``dist_async``, the paper's outer Nesterov SGD (learning rate
+  0.7, momentum 0.9) with its momentum refreshed once every N arrivals, momentum-free steps in
+  between (Liu et al. 2024);
 * ``async-dcasgd``: ``dist_async``, MXNet's delay-compensated SGD as the outer step.
 
 Prints each epoch as a JSON line and one summary line per run: seconds to ``--target``, final
@@ -38,7 +40,8 @@ RUNS: dict[str, dict[str, Any]] = {
     "sync": {"mode": "dist_sync", "slow": True, "outer": []},
     "async": {"mode": "dist_async", "slow": True, "outer": []},
     "async-delayed-nesterov": {"mode": "dist_async", "slow": True,
-                               "outer": ["--outer-momentum", "0.9", "--outer-momentum-every", "N"]},
+                               "outer": ["--outer-lr", "0.7", "--outer-momentum", "0.9",
+                                         "--outer-momentum-every", "N"]},
     "async-dcasgd": {"mode": "dist_async", "slow": True, "outer": ["--outer", "dcasgd"]},
 }  # fmt: skip
 """Each run's mode, whether its last worker is slow, and its outer optimizer options beyond the
