@@ -2,8 +2,7 @@
 ``dist_async`` (each worker's pseudo-gradient applied on arrival), with the staleness-aware outer
 steps, on the same data.
 
-The other runs' outer step is plain averaging (``--outer-lr`` 1, ``--outer-momentum`` 0). Every
-run trains the MNIST example's CNN in its DiLoCo mode under ``kvstore-launch`` (4 workers,
+Every run trains the MNIST example's CNN in its DiLoCo mode under ``kvstore-launch`` (4 workers,
 1 server, loopback), the last worker made ``--slowdown`` times slower (it sleeps that many times
 each step's own time, less one): a worker on a slower device. Worker 0 (a fast one) reports
 the accuracy of the outer weights after each of its epochs; the runs (:data:`RUNS`):
@@ -15,6 +14,9 @@ the accuracy of the outer weights after each of its epochs; the runs (:data:`RUN
   0.7, momentum 0.9) with its momentum refreshed once every N arrivals, momentum-free steps in
   between (Liu et al. 2024);
 * ``async-dcasgd``: ``dist_async``, MXNet's delay-compensated SGD as the outer step.
+
+The other runs' outer step is plain averaging (``--outer-lr`` 1, ``--outer-momentum`` 0), which
+trains this CNN at H = 10 as well as per-step training does.
 
 Prints each epoch as a JSON line and one summary line per run: seconds to ``--target``, final
 accuracy, wall time of worker 0's training; ``--table`` writes them as markdown.
