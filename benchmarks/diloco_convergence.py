@@ -133,18 +133,20 @@ COMMANDS = {"cnn": cnn_command, "lm": lm_command}
 
 
 def points(workload: str, lines: list[str]) -> list[dict[str, Any]]:
-    """The evaluations in worker 0's JSON lines: step, quality, bytes moved so far."""
-    found = []
+    """The evaluations in worker 0's JSON lines: step, quality, bytes moved and seconds of
+    training so far."""
+    found: list[dict[str, Any]] = []
     for line in lines:
         if not line.startswith("{"):
             continue
         record = json.loads(line)
         if workload == "cnn" and "epoch" in record:
+            before = found[-1]["seconds"] if found else 0.0  # the example times each epoch
             found.append({"step": record["epoch"] * record["steps_per_epoch"],
                           "quality": 100 * record["accuracy"],
                           "pushed_bytes": record["pushed_bytes_total"],
                           "pulled_bytes": record["pulled_bytes_total"],
-                          "seconds": record["seconds"]})  # fmt: skip
+                          "seconds": before + record["seconds"]})  # fmt: skip
         elif workload == "lm" and "perplexity" in record:
             found.append({"step": record["step"], "quality": record["perplexity"],
                           "pushed_bytes": record["pushed_bytes_total"],
