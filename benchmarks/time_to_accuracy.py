@@ -32,7 +32,8 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
 
 DiLoCo runs report the accuracy of the outer weights (the model the job agrees on).
 ``--floor RUN ...`` also trains those runs on links that cost nothing (the same hosts, links
-not shaped): the run's compute floor, to which the summary compares its time on shaped links.
+not shaped): the run's compute floor is their seconds per epoch there times the epochs the run
+needed on shaped links, and the summary gives its time against it.
 
 Prints a JSON line per epoch of each run (its cumulative seconds included) and one per run
 with the seconds to ``--target`` (null when the run never got there); ``--table`` and
@@ -228,7 +229,8 @@ def summaries(
     floors: dict[str, list[dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
     """One line per run: seconds to ``target``, epochs, bytes worker 0 pushed; with its run on
-    links that cost nothing (``floors``), that run's seconds and the ratio to them."""
+    links that cost nothing (``floors``), its compute floor (seconds per epoch there times the
+    epochs needed here) and the ratio to it."""
     lines = []
     for name, records in by_run.items():
         seconds = time_to(records, target)
@@ -243,10 +245,14 @@ def summaries(
             "epochs_to_target": None if reached is None else reached["epoch"],
             "pushed_bytes_to_target": None if reached is None else reached.get("pushed_bytes"),
         }  # fmt: skip
-        floor = time_to((floors or {}).get(name, []), target)
-        if floor is not None:
-            line["floor_seconds"] = floor
-            line["over_floor"] = round(seconds / floor, 2) if seconds is not None else None
+        floor_epochs = (floors or {}).get(name, [])
+        if floor_epochs and reached is not None:
+            # Its epochs on free links, as many as it needed here: a run of the same training
+            # need not reach the target at the same epoch (the servers' sums are taken in
+            # arrival order, which changes their float rounding).
+            per_epoch = floor_epochs[-1]["wall"] / len(floor_epochs)
+            line["floor_seconds"] = round(per_epoch * reached["epoch"], 3)
+            line["over_floor"] = round(seconds / line["floor_seconds"], 2)
         lines.append(line)
     return lines
 
