@@ -256,7 +256,8 @@ class KVStore:
 
         Args:
             spec: ``{"type": name, **params}`` with name ``fp16``, ``bf16``, ``2bit``, ``topk``,
-                ``topk2bit`` or ``threshold``; ``{"type": "none"}`` (the default) pulls dense values.
+                ``topk2bit`` or ``threshold``; ``{"type": "none"}`` (the default) pulls dense
+                values.
 
         Raises:
             UsageError: a key was already initialised.
