@@ -187,51 +187,39 @@ class Rounds:
                 error = exc
             self._pushes_done(chunk, [reply], error)
 
+    def _value_is_sum(self, chunk: ChunkState) -> bool:
+        """Whether a round makes the chunk's value the plain sum of its pushes: no server
+        optimizer and not an averaged chunk (whose value is their mean)."""
+        return self._state.job.optimizer is None and not chunk.spec.averaged
+
     async def _apply(self, chunk: ChunkState, grad: Any) -> None:
         assert chunk.value is not None
         if chunk.spec.averaged:
-            await self._apply_average(chunk, grad)
-            return
-        optimizer = self._state.job.optimizer
-        if optimizer is not None and not chunk.spec.dtype.startswith("float"):
-            raise RequestError(
-                ErrorCode.BAD_VALUE,
-                f"{chunk.spec.name} is {chunk.spec.dtype}: the optimizer updates float keys only",
-            )
-        out = chunk.value.spare()
-        aggregator = chunk.aggregator
-        if optimizer is None and chunk.master is None and grad is aggregator.result:
-            # The round's sum is the new value: publish the aggregator's array itself and let
-            # the next round accumulate into the spare, instead of copying.
-            aggregator.result = out
-            chunk.value.publish(grad)
-            chunk.updates += 1
-            await self._advance_pulled(chunk)
-            return
+            running = self._state.job.mode == "dist_async"
+            num_workers = self._state.config.num_workers
+            out = chunk.value.spare()
+            work: tuple[Any, ...] = (chunk.apply_average, grad, num_workers, running, out)
+        else:
+            optimizer = self._state.job.optimizer
+            if optimizer is not None and not chunk.spec.dtype.startswith("float"):
+                raise RequestError(
+                    ErrorCode.BAD_VALUE,
+                    f"{chunk.spec.name} is {chunk.spec.dtype}: the optimizer updates float keys "
+                    f"only",
+                )
+            out = chunk.value.spare()
+            aggregator = chunk.aggregator
+            if optimizer is None and chunk.master is None and grad is aggregator.result:
+                # The round's sum is the new value: publish the aggregator's array itself and
+                # let the next round accumulate into the spare, instead of copying.
+                aggregator.result = out
+                chunk.value.publish(grad)
+                chunk.updates += 1
+                await self._advance_pulled(chunk)
+                return
+            work = (chunk.apply_update, grad, optimizer, out)
         try:
-            await self._work.run(chunk, chunk.apply_update, grad, optimizer, out)
-        except BaseException:
-            chunk.value.give_back(out)
-            raise
-        chunk.value.publish(out)
-        await self._advance_pulled(chunk)
-
-    async def _apply_average(self, chunk: ChunkState, pushed: Any) -> None:
-        """An averaged chunk's update: the mean of the round's pushes (dist_sync, local), or
-        one push's step of the running mean (dist_async); never the optimizer's, and never the
-        aggregator's array published as it is (that is the sum)."""
-        assert chunk.value is not None
-        out = chunk.value.spare()
-        running = self._state.job.mode == "dist_async"
-        try:
-            await self._work.run(
-                chunk,
-                chunk.apply_average,
-                pushed,
-                self._state.config.num_workers,
-                running,
-                out,
-            )
+            await self._work.run(chunk, *work)
         except BaseException:
             chunk.value.give_back(out)
             raise
@@ -280,7 +268,7 @@ class Rounds:
 
     def _keep_for_relay(self, chunk: ChunkState, payloads: list[Any]) -> None:
         """Keep a summed push for relayed pulls of the round's sum (in the order summed)."""
-        if chunk.codec.relayable and self._state.job.optimizer is None and not chunk.spec.averaged:
+        if chunk.codec.relayable and self._value_is_sum(chunk):
             chunk.round_payloads.append(payloads)
 
     def _relay_of_round(self, chunk: ChunkState, summed: list[Any]) -> list[Any] | None:
@@ -292,8 +280,7 @@ class Rounds:
         """
         relayable = (
             bool(summed)
-            and self._state.job.optimizer is None
-            and not chunk.spec.averaged
+            and self._value_is_sum(chunk)
             and chunk.master is None
             # (sparse pushes vary in size: relay only while it saves bytes)
             and relay_fits(summed, chunk.spec.numel, chunk.spec.dtype)

@@ -316,32 +316,17 @@ def open_json(target: str | None) -> TextIO | None:
     return sys.stdout if target == "-" else open(target, "w")  # noqa: SIM115 (closed in main)
 
 
-def synced_whole(opt: kvt.DiLoCo) -> bool:
-    """Whether the step just taken ended with every key's θ pulled (no round left)."""
-    return opt.fragments == 1 and not opt.round_in_flight and opt.steps % opt.sync_every == 0
-
-
 def evaluate_job_model(
     model: torch.nn.Module,
     opt: kvt.DistributedOptimizer | kvt.DiLoCo,
     windows: tuple[torch.Tensor, ...],
 ) -> float:
     """:func:`evaluate` of the job's model: the model itself, or with DiLoCo its outer weights
-    ``θ`` as last pulled (up to H - 1 steps behind the local replicas); the local weights are
-    put back after."""
-    if not isinstance(opt, kvt.DiLoCo):
-        return evaluate(model, windows)
-    params = list(model.parameters())
-    with torch.no_grad():
-        local = [p.detach().clone() for p in params]
-        for param, theta in zip(params, opt.outer_weights, strict=True):
-            param.copy_(theta)
-    try:
-        return evaluate(model, windows)
-    finally:
-        with torch.no_grad():
-            for param, saved in zip(params, local, strict=True):
-                param.copy_(saved)
+    ``θ`` as last pulled."""
+    if isinstance(opt, kvt.DiLoCo):
+        with opt.outer_weights_loaded():
+            return evaluate(model, windows)
+    return evaluate(model, windows)
 
 
 def main() -> None:
@@ -388,7 +373,7 @@ def main() -> None:
             time.sleep((slowdown - 1.0) * clock.seconds)
         if step % args.eval_every and step != args.steps:
             continue
-        if step == args.steps and isinstance(opt, kvt.DiLoCo) and not synced_whole(opt):
+        if step == args.steps and isinstance(opt, kvt.DiLoCo) and not opt.synced:
             opt.synchronize()  # the final θ holds every step (every worker's schedule is the same)
         if rank != 0:
             continue

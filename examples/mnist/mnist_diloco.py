@@ -1,20 +1,20 @@
 """The example's DiLoCo mode (``--diloco H``): local inner steps, an outer step on the servers
 every H steps (``kvstore.torch.DiLoCo``), and what it needs around it: its options, the
-wrapper, the accuracy of the outer weights, and a slow worker on request.
+wrapper and a slow worker on request.
 
 In this mode ``--compression`` compresses the pseudo-gradient ``Δ = θ - θ_local`` (with the
 codec's error feedback), ``--pull-compression`` the outer weights pulled back, and ``--lr``,
 ``--momentum`` and ``--wd`` are the inner optimizer's. The accuracy worker 0 reports is that of
 the outer weights ``θ`` as last pulled (the model the job agrees on; up to H - 1 steps behind
-the local replicas), and the last epoch ends with an outer step of the whole model
-(``synchronize``) unless its last step took one, so that the final ``θ`` holds every step.
+the local replicas; ``DiLoCo.outer_weights_loaded``), and the last epoch ends with an outer
+step of the whole model (``synchronize``) unless its last step took one (``DiLoCo.synced``),
+so that the final ``θ`` holds every step.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -123,24 +123,6 @@ def make_diloco(args: argparse.Namespace, model: nn.Module, kv: kvstore.KVStore)
         mixing=args.mixing,
         key_prefix="",
     )
-
-
-def outer_accuracy(
-    model: nn.Module, opt: kvt.DiLoCo, measure: Callable[[nn.Module], float]
-) -> float:
-    """``measure(model)`` with the outer weights ``θ`` in the model's parameters; the local
-    weights are put back after."""
-    params = [p for _, p in model.named_parameters()]
-    with torch.no_grad():
-        local = [p.detach().clone() for p in params]
-        for param, theta in zip(params, opt.outer_weights, strict=True):
-            param.copy_(theta)
-    try:
-        return measure(model)
-    finally:
-        with torch.no_grad():
-            for param, saved in zip(params, local, strict=True):
-                param.copy_(saved)
 
 
 class Slowdown:

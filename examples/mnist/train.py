@@ -263,11 +263,6 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 50
     return correct / len(y)
 
 
-def synced_whole(opt: kvt.DiLoCo) -> bool:
-    """Whether the step just taken ended with every key's θ pulled (no round left)."""
-    return opt.fragments == 1 and not opt.round_in_flight and opt.steps % opt.sync_every == 0
-
-
 def test_accuracy_of(
     model: nn.Module,
     opt: kvt.DistributedOptimizer | kvt.DiLoCo,
@@ -276,7 +271,8 @@ def test_accuracy_of(
 ) -> float:
     """The job's model's test accuracy: the model's own, or with DiLoCo the outer weights'."""
     if isinstance(opt, kvt.DiLoCo):
-        return mnist_diloco.outer_accuracy(model, opt, lambda m: accuracy(m, x, y))
+        with opt.outer_weights_loaded():
+            return accuracy(model, x, y)
     return accuracy(model, x, y)
 
 
@@ -401,7 +397,7 @@ def main() -> None:
             slowdown.finish()
             if progress:
                 bar.set_postfix(loss=f"{total_loss / (step + 1):.4f}", refresh=False)
-        if isinstance(opt, kvt.DiLoCo) and epoch == args.epochs and not synced_whole(opt):
+        if isinstance(opt, kvt.DiLoCo) and epoch == args.epochs and not opt.synced:
             opt.synchronize()  # the final θ holds every step taken
         stats = kv.stats()
         record = epoch_record(epoch, before, stats, first, steps)

@@ -54,7 +54,8 @@ result). :meth:`DiLoCo.state_dict` is refused while a fragment's round is in fli
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -325,6 +326,30 @@ class DiLoCo(StoreWrappedOptimizer):
     def outer_weights(self) -> tuple[torch.Tensor, ...]:
         """``θ`` as last pulled, one tensor per key (the wrapper's own: do not write them)."""
         return tuple(self._theta)
+
+    @property
+    def synced(self) -> bool:
+        """Whether the last step ended with the whole model's ``θ`` pulled and no round in
+        flight (with one fragment, after every H-th step): :meth:`synchronize` now would push
+        nothing but zeros, yet an outer optimizer with momentum would still move ``θ``."""
+        whole = len(self._fragments) == 1 and self._steps % self._sync_every == 0
+        return whole and self._in_flight is None
+
+    @contextlib.contextmanager
+    def outer_weights_loaded(self) -> Iterator[None]:
+        """Inside the block the parameters hold ``θ`` as last pulled (the model the job agrees
+        on, up to H - 1 steps behind the local weights), to evaluate it; the local weights are
+        put back when the block ends."""
+        with torch.no_grad():
+            local = [param.detach().clone() for param in self._params]
+            for param, theta in zip(self._params, self._theta, strict=True):
+                param.copy_(theta)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, saved in zip(self._params, local, strict=True):
+                    param.copy_(saved)
 
     def __repr__(self) -> str:
         return (

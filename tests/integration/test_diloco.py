@@ -397,3 +397,30 @@ def test_buffers_are_averaged_at_each_sync_and_the_outer_step_skips_them(address
                 assert torch.equal(got, want), (step, rank, i)
     # Not averaged: the statistics of the two workers differed between syncs.
     assert not torch.equal(before[(0, 0)][0], before[(1, 0)][0])
+
+
+def test_synced_and_outer_weights_loaded(addresses):
+    """``synced`` after every H-th step only; inside ``outer_weights_loaded`` the parameters
+    are θ as last pulled, and the local weights come back after the block."""
+
+    def rank_job(rank: int) -> list[bool]:
+        model = make_net()
+        with connect(addresses, rank, WORKERS) as kv:
+            opt = kvt.DiLoCo(inner_sgd(model), model.named_parameters(), kv=kv, sync_every=2)
+            seen = []
+            for step in range(3):
+                opt.zero_grad()
+                loss_of(model, rank, step).backward()
+                opt.step()
+                seen.append(opt.synced)
+            local = [p.detach().clone() for p in model.parameters()]
+            with opt.outer_weights_loaded():
+                inside = [p.detach().clone() for p in model.parameters()]
+            for got, want in zip(inside, opt.outer_weights, strict=True):
+                assert torch.equal(got, want)
+            for got, want in zip(model.parameters(), local, strict=True):
+                assert torch.equal(got, want)
+            assert not all(torch.equal(a, b) for a, b in zip(inside, local, strict=True))
+            return seen
+
+    assert run_ranks(WORKERS, rank_job) == [[False, True, False]] * WORKERS
