@@ -107,11 +107,13 @@ def test_pushes_in_turn_match_the_oracle_and_a_loaded_checkpoint_replays_them(
             _take_turns(kv, rank, range(SAVE_AFTER))
             kv.save_checkpoint(ckpt)
             saved = _pull_all(kv)
+            kv.barrier()  # no rank pushes step SAVE_AFTER before every rank has pulled
             _take_turns(kv, rank, range(SAVE_AFTER, STEPS))
             first = _pull_all(kv)
             kv.barrier()  # every pull is done before the load rolls the servers back
             kv.load_checkpoint(ckpt)
             loaded = _pull_all(kv)
+            kv.barrier()  # likewise after the load
             _take_turns(kv, rank, range(SAVE_AFTER, STEPS))
             again = _pull_all(kv)
             return saved, first, loaded, again
