@@ -27,7 +27,9 @@ arithmetic so that no order of additions can change a bit (the GPU adds with int
 
 **Estimates** of a table ``S`` (any table with these hashes: a sum of sketches, a momentum):
 ``est_i = median_j(s_j(i) * S[j, bucket_j(i)])`` over the odd number of rows, the middle of
-the sorted row estimates (one of them: no arithmetic).
+the sorted row estimates (one of them: no arithmetic), except that a zero median is ``+0.0``:
+a sort does not order ``-0.0`` against ``+0.0`` (numpy's SIMD sorts and an insertion sort
+place them differently), so the sign of a zero would depend on the sort.
 """
 
 from __future__ import annotations
@@ -114,7 +116,9 @@ def estimates_reference(table: np.ndarray, keys: np.ndarray, start: int, count: 
     buckets, negative = buckets_and_signs_reference(keys, _span(start, count), columns)
     per_row = np.take_along_axis(table, buckets, axis=1)
     per_row = np.where(negative, -per_row, per_row)
-    return np.sort(per_row, axis=0)[rows // 2].astype(np.float32)
+    median = np.sort(per_row, axis=0)[rows // 2].astype(np.float32)
+    median[median == 0] = 0  # +0.0 whichever zero the sort put in the middle
+    return median
 
 
 def zero_buckets_reference(
