@@ -293,6 +293,52 @@ class Aggregator(ABC):
         their step (PowerSGD's sum of Q). None (the default): plain acknowledgements."""
         return None
 
+    def relay_frames(self) -> list[Any] | None:
+        """For a codec whose round value is itself a compressed payload
+        (:attr:`Codec.relays_round_result`): the frames of one push whose
+        :meth:`Codec.sum_relay` gives :attr:`result` bit for bit, which a relayed pull sends
+        instead of the dense value. None (the default): the server relays the round's pushes,
+        where the codec can."""
+        return None
+
+    state_names: tuple[str, ...] = ()
+    """The attributes (numpy arrays) an aggregator carries from one round to the next (a
+    codec that keeps momentum or error feedback on the server); checkpoints save them. Most
+    aggregators start every round from nothing and have none."""
+
+    step_size: float = 1.0
+    """For a codec that :attr:`~Codec.applies_step_size`: the server optimizer's step scale
+    (``learning_rate * rescale_grad``), which the server sets before every :meth:`finish`."""
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The arrays of :attr:`state_names` (the live ones: save them while the chunk is
+        quiescent)."""
+        return {name: getattr(self, name) for name in self.state_names}
+
+    def check_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Raise CodecError unless ``state`` has this aggregator's names, shapes and dtypes."""
+        if set(state) != set(self.state_names):
+            raise CodecError(
+                f"{type(self).__name__} keeps state {sorted(self.state_names)}, got {sorted(state)}"
+            )
+        for name in self.state_names:
+            own, saved = getattr(self, name), state[name]
+            if tuple(saved.shape) != tuple(own.shape) or np.dtype(saved.dtype) != own.dtype:
+                raise CodecError(
+                    f"{type(self).__name__}.{name} is {own.dtype}{list(own.shape)}, the saved "
+                    f"state is {saved.dtype}{list(saved.shape)} (saved with other chunk sizes?)"
+                )
+
+    def load_state(self, state: Mapping[str, np.ndarray] | None) -> None:
+        """Copy a checked :meth:`state` into the aggregator's own arrays; None zeroes them (a
+        checkpoint taken before the chunk's first round)."""
+        for name in self.state_names:
+            own = getattr(self, name)
+            if state is None:
+                own.fill(0)
+            else:
+                np.copyto(own, state[name], casting="no")
+
 
 class Codec(ABC):
     """Hyperparameters of a compression method, and the factory of its stateful parts.
@@ -309,9 +355,18 @@ class Codec(ABC):
     """Parameter sets that between them take every path of the codec's encoders, its typical
     setting first. The parity check (``tests/codec_parity.py``) runs each through every
     implementation of every registered codec; the default runs the codec with its defaults."""
-    round_trips: ClassVar[int] = 1
+    round_trips: int = 1
     """The most round trips a push of one chunk takes per step (see
-    :attr:`Encoder.round_trips`); more than 1 needs ``dist_sync``."""
+    :attr:`Encoder.round_trips`); more than 1 needs ``dist_sync``. A codec whose parameters
+    decide it sets it per instance."""
+    applies_step_size: bool = False
+    """True when the aggregator's result is the update itself, the server optimizer's step
+    size already applied (the sketch codec scales its error accumulation by it, as FetchSGD
+    does): the server then sets :attr:`Aggregator.step_size` before every finish, and its
+    ``sgd`` moves the weights by ``w = (1 - lr * wd) * w - result``."""
+    relays_round_result: ClassVar[bool] = False
+    """True when a round's value is itself compact (:meth:`Aggregator.relay_frames`): a relayed
+    pull then sends it instead of the round's pushes."""
 
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.param_defaults)
@@ -398,11 +453,11 @@ class Codec(ABC):
         """A server-side aggregator for a chunk of ``numel`` elements."""
 
     def make_chunk_aggregator(
-        self, numel: int, dtype: str, *, shape: tuple[int, ...], start: int
+        self, numel: int, dtype: str, *, shape: tuple[int, ...], start: int, key: Any = None
     ) -> Aggregator:
-        """The aggregator of the chunk of elements ``[start, start + numel)`` of a key of
-        ``shape`` (what the server makes). By default :meth:`make_aggregator`; codecs that
-        view a key as a matrix override it."""
+        """The aggregator of the chunk of elements ``[start, start + numel)`` of the key
+        ``key`` of ``shape`` (what the server makes). By default :meth:`make_aggregator`;
+        codecs that view a key as a matrix, or hash by the key, override it."""
         return self.make_aggregator(numel, dtype)
 
     def chunk_alignment(self, shape: tuple[int, ...]) -> int:

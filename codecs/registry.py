@@ -51,6 +51,7 @@ BUILT_IN_CODECS = (
     "kvstore.codecs.cast:Fp16Codec",
     "kvstore.codecs.cast:Bf16Codec",
     "kvstore.codecs.powersgd:PowerSGDCodec",
+    "kvstore.codecs.sketch:SketchCodec",
 )
 """The codecs of this package, ``"module:Class"``; adding a codec to the product adds its line."""
 

@@ -6,9 +6,11 @@ into a part and a part back into its chunks' state.
 
 A shard holds, for every initialised chunk: its published value, its master copy (float16
 keys), its optimizer state (SGD's momentum; Adam's mean, variance and step count) and how many
-updates it had. That is everything the next round's arithmetic reads: aggregators start every
-round from nothing, and round bookkeeping (pushes in flight, pulls waiting) must be empty when
-a checkpoint is taken (:func:`busy_reason`). Which pushes of which worker were applied
+updates it had, and the state a codec's aggregator carries between rounds (the sketch codec's
+momentum and error tables, which fit only the same chunk sizes). That is everything the next
+round's arithmetic reads: other aggregators start every round from nothing, and round
+bookkeeping (pushes in flight, pulls waiting) must be empty when a checkpoint is taken
+(:func:`busy_reason`). Which pushes of which worker were applied
 (``ChunkState.applied``) is the transport's bookkeeping, matched by the worker's own count of
 pushes sent; neither is saved, and a load leaves both as they are.
 
@@ -28,7 +30,7 @@ import numpy as np
 
 from kvstore import checkpoint
 from kvstore.codecs import accumulator_dtype
-from kvstore.errors import CheckpointError, OptimizerError
+from kvstore.errors import CheckpointError, CodecError, OptimizerError
 from kvstore.optimizer_spec import make_optimizer_spec
 from kvstore.server.chunk import ChunkState
 from kvstore.server.optimizers import Optimizer, make_optimizer
@@ -245,6 +247,12 @@ def _stage_chunk(
     _expect(arrays.get("value"), np.dtype(spec.dtype), spec.numel, f"{what}: value")
     if chunk.master is not None:
         _expect(arrays.get("master"), acc, spec.numel, f"{what}: master copy")
+    saved_aggregator = {k[4:]: v for k, v in arrays.items() if k.startswith("agg.")}
+    if saved_aggregator:  # a codec's server state: the commit only copies it
+        try:
+            chunk.aggregator.check_state(saved_aggregator)
+        except CodecError as exc:
+            raise CheckpointError(f"{what}: {exc}") from exc
     state = None
     if optimizer is not None and meta["optimizer"] == optimizer.name:
         opt_arrays = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}

@@ -146,7 +146,7 @@ class ChunkState:
         if self._aggregator is None:
             spec = self.spec
             self._aggregator = self.codec.make_chunk_aggregator(
-                spec.numel, spec.dtype, shape=spec.shape, start=spec.start
+                spec.numel, spec.dtype, shape=spec.shape, start=spec.start, key=spec.key
             )
         return self._aggregator
 
@@ -197,8 +197,9 @@ class ChunkState:
 
         Arrays: ``value`` (the published value, the key's dtype), ``master`` (the accumulator
         copy of a float16 key), ``pull.w_pub`` (with compressed pulls in ``dist_sync``: the
-        weights the workers hold), ``opt.NAME`` (the optimizer's arrays). The aggregator carries
-        nothing from one round to the next, so it is not saved.
+        weights the workers hold), ``opt.NAME`` (the optimizer's arrays), ``agg.NAME`` (what the
+        codec's aggregator carries from one round to the next: the sketch codec's tables; most
+        aggregators carry nothing).
         """
         assert self.value is not None
         arrays = {"value": self.value.current}
@@ -209,6 +210,8 @@ class ChunkState:
         meta: dict[str, Any] = {"updates": self.updates, "optimizer": None, "scalars": {}}
         if self.pull is not None:
             meta["pull_version"] = self.pull.version
+        if self._aggregator is not None:  # a codec's server state (the sketch's tables)
+            arrays.update({f"agg.{n}": a for n, a in self._aggregator.state().items()})
         if self.optimizer_name is not None and self.optimizer_state is not None:
             # Arrays and integer counters (Adam's step count); entries not made yet (SGD's
             # momentum before its first update with momentum) are None and left out.
@@ -246,6 +249,8 @@ class ChunkState:
             saved = arrays.get("pull.w_pub")
             held = saved if saved is not None and saved.shape == out.shape else out
             self.pull.restore(np.asarray(held, dtype=np.float32), meta.get("pull_version", 0))
+        saved_aggregator = {k[4:]: v for k, v in arrays.items() if k.startswith("agg.")}
+        self.aggregator.load_state(saved_aggregator or None)
         self.optimizer_name = meta["optimizer"] if state is not None else None
         self.optimizer_state = state
         self.updates = int(meta["updates"])
@@ -257,16 +262,21 @@ class ChunkState:
         optimizer's update of the current weights by the aggregate.
         """
         assert self.value is not None
-        if self.master is None:
-            if optimizer is None:
-                np.copyto(out, grad)
-            else:
-                optimizer.step(self.value.current, out, grad, self._optimizer_state(optimizer))
+        weights, target = (
+            (self.value.current, out)
+            if self.master is None
+            else (
+                self.master,
+                self.master,
+            )
+        )
+        if optimizer is None:
+            np.copyto(target, grad)
+        elif self.codec.applies_step_size:  # the aggregate is the step, learning rate included
+            optimizer.apply_step(weights, target, grad)
         else:
-            if optimizer is None:
-                np.copyto(self.master, grad)
-            else:
-                optimizer.step(self.master, self.master, grad, self._optimizer_state(optimizer))
+            optimizer.step(weights, target, grad, self._optimizer_state(optimizer))
+        if self.master is not None:
             np.copyto(out, self.master, casting="unsafe")
         self.updates += 1
 

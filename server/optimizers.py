@@ -196,6 +196,17 @@ class Optimizer(ABC):
             state: this chunk's state from :meth:`new_state`; updated in place.
         """
 
+    def step_size(self) -> float:
+        """``learning_rate * rescale_grad``: what a codec that applies the step itself scales
+        its update by (:attr:`kvstore.codecs.base.Codec.applies_step_size`)."""
+        return float(self.spec["learning_rate"]) * float(self.spec["rescale_grad"])
+
+    def apply_step(self, weight: np.ndarray, out: np.ndarray, step: np.ndarray) -> None:
+        """Write ``(1 - lr * wd) * weight - step`` into ``out``: the update of a codec whose
+        aggregate is the step itself, learning rate included. Only plain SGD has it (the
+        codec's ``check_optimizer`` refuses the others)."""
+        raise OptimizerError(f"optimizer {self.name!r} cannot apply a step a codec scaled")
+
     def import_state(
         self,
         arrays: dict[str, np.ndarray],
@@ -303,6 +314,14 @@ class SGD(Optimizer):
             return
         kernel = _nag if self.spec["nesterov"] else _sgd_momentum
         kernel(weight, out, grad, state["mom"], lr, momentum, wd, rescale, clip, use_clip)
+
+    def apply_step(self, weight: np.ndarray, out: np.ndarray, step: np.ndarray) -> None:
+        if self.spec["momentum"] != 0.0 or self.spec["nesterov"]:
+            raise OptimizerError("sgd with momentum cannot apply a step a codec scaled")
+        dtype = weight.dtype
+        lr, wd = self._scalars(dtype, "learning_rate", "wd")
+        one = dtype.type(1)
+        _sgd(weight, out, step, one - lr * wd, one, one, dtype.type(0), False)
 
 
 class Adam(Optimizer):

@@ -142,7 +142,7 @@ class Rounds:
         intermediate = acknowledgement = None
         if error is None:
             try:
-                intermediate = await self._work.run(chunk, chunk.aggregator.finish)
+                intermediate = await self._work.run(chunk, self._finisher(chunk))
                 if intermediate is None:
                     acknowledgement = _copied(chunk.aggregator.reply_frames())
                     await self._apply(chunk, chunk.aggregator.result)
@@ -175,7 +175,7 @@ class Rounds:
         async with chunk.lock:
             try:
                 await self._work.run(chunk, chunk.aggregator.add, payloads, True)
-                if await self._work.run(chunk, chunk.aggregator.finish) is not None:
+                if await self._work.run(chunk, self._finisher(chunk)) is not None:
                     raise RequestError(
                         ErrorCode.CODEC,
                         f"codec {chunk.codec.name!r} needs several round trips per step, "
@@ -186,6 +186,15 @@ class Rounds:
             except Exception as exc:
                 error = exc
             self._pushes_done(chunk, [reply], error)
+
+    def _finisher(self, chunk: ChunkState) -> Any:
+        """The chunk's ``aggregator.finish``, after handing a codec that applies the server
+        optimizer's step size itself (the sketch codec's error accumulation) that size."""
+        aggregator = chunk.aggregator
+        if chunk.codec.applies_step_size:
+            optimizer = self._state.job.optimizer
+            aggregator.step_size = 1.0 if optimizer is None else optimizer.step_size()
+        return aggregator.finish
 
     def _value_is_sum(self, chunk: ChunkState) -> bool:
         """Whether a round makes the chunk's value the plain sum of its pushes: no server
@@ -268,7 +277,8 @@ class Rounds:
 
     def _keep_for_relay(self, chunk: ChunkState, payloads: list[Any]) -> None:
         """Keep a summed push for relayed pulls of the round's sum (in the order summed)."""
-        if chunk.codec.relayable and self._value_is_sum(chunk):
+        codec = chunk.codec
+        if codec.relayable and not codec.relays_round_result and self._value_is_sum(chunk):
             chunk.round_payloads.append(payloads)
 
     def _relay_of_round(self, chunk: ChunkState, summed: list[Any]) -> list[Any] | None:
@@ -278,6 +288,9 @@ class Rounds:
         of these pushes (``summed`` stays empty for codecs that cannot relay, and for averaged
         chunks, whose value is the mean).
         """
+        if chunk.codec.relays_round_result:  # the round's value is one compact push
+            own = chunk.aggregator.relay_frames()
+            summed = [own] if own is not None else []
         relayable = (
             bool(summed)
             and self._value_is_sum(chunk)

@@ -599,7 +599,7 @@ class PowerSGDCodec(Codec):
         return self._dense.make_aggregator(numel, dtype)
 
     def make_chunk_aggregator(
-        self, numel: int, dtype: str, *, shape: tuple[int, ...], start: int
+        self, numel: int, dtype: str, *, shape: tuple[int, ...], start: int, key: Any = None
     ) -> Aggregator:
         self.check_dtype(dtype)
         matrix = chunk_matrix(shape, start, numel, self.rank)

@@ -175,14 +175,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.codec["type"] == "powersgd" and args.bucket_bytes is not None:
         # A bucket is a flat buffer: a 1-D key, which powersgd sends uncompressed.
         parser.error("--bucket-bytes makes flat keys, which powersgd would send uncompressed")
-    # dgc applies momentum before compression, inside the codec (its own `momentum`
-    # parameter); momentum again after aggregation would count it twice.
+    # dgc applies momentum before compression and sketch on the servers, inside the codec
+    # (its own `momentum` parameter); momentum again after aggregation would count it twice.
     args.momentum_note = None
-    if args.codec["type"] == "dgc":
+    if args.codec["type"] in ("dgc", "sketch"):
         if args.momentum:
             args.momentum_note = (
-                f"dgc carries its own momentum: the {args.optimizer} SGD runs without "
-                f"momentum (--momentum {args.momentum:g} not used)"
+                f"{args.codec['type']} carries its own momentum: the {args.optimizer} SGD runs "
+                f"without momentum (--momentum {args.momentum:g} not used)"
             )
         args.momentum = 0.0
     elif args.momentum is None:
