@@ -48,7 +48,9 @@ def _fetchsgd_oracle(codec, name, bounds, eta: float) -> list[np.ndarray]:
             tables = [
                 _gradient(r, step, name)[start:stop]
                 if plan.dense
-                else sketch_reference(_gradient(r, step, name)[start:stop], keys, start, plan.columns)
+                else sketch_reference(
+                    _gradient(r, step, name)[start:stop], keys, start, plan.columns
+                )
                 for r in range(N)
             ]
             s_u = s_u * rho + (tables[0] + tables[1])
@@ -160,3 +162,77 @@ def test_a_server_sgd_scales_the_error_and_moves_the_weights(two_servers_two_wor
             w = decay * w - updates[step]
             for pulled, _, _ in results:
                 np.testing.assert_array_equal(pulled[step][name_index], w)
+
+
+def test_a_loaded_checkpoint_restores_the_servers_sketches(two_servers_two_workers, tmp_path):
+    """Momentum and error sketches are server state: after a load the same pushes give the same
+    bits as the first time (a load that lost them would recover other elements)."""
+    spec = {"type": "sketch", "columns": 150, "k": 0.02, "momentum": 0.9}
+    ckpt = tmp_path / "ckpt"
+
+    def steps(kv, rank, which):
+        pulled = []
+        for step in which:
+            kv.push(list(KEYS), [_gradient(rank, step, name) for name in KEYS])
+            outs = [np.empty(n, np.float32) for n in KEYS.values()]
+            kv.pull(list(KEYS), out=outs)
+            pulled.append(outs)
+        return pulled
+
+    def worker(rank):
+        with connect(two_servers_two_workers, rank, N, **SPLIT) as kv:
+            kv.set_gradient_compression(spec)
+            kv.init(list(KEYS), [np.zeros(n, np.float32) for n in KEYS.values()])
+            steps(kv, rank, range(2))
+            kv.save_checkpoint(ckpt)
+            first = steps(kv, rank, range(2, STEPS))
+            kv.barrier()
+            kv.load_checkpoint(ckpt)
+            again = steps(kv, rank, range(2, STEPS))
+            return first, again
+
+    for first, again in run_ranks(N, worker, timeout=120):
+        for a, b in zip(first, again, strict=True):
+            for x, y in zip(a, b, strict=True):
+                assert x.tobytes() == y.tobytes()
+                assert np.count_nonzero(x)
+
+
+def test_training_through_kvstore_torch(two_servers_two_workers):
+    torch = pytest.importorskip("torch")
+    import kvstore.torch as kvt
+
+    k = 8  # per key
+
+    def worker(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(40, 50), torch.nn.ReLU(), torch.nn.Linear(50, 3)
+        )
+        gen = torch.Generator().manual_seed(rank)
+        with connect(two_servers_two_workers, rank, N) as kv:
+            opt = kvt.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=1000.0),  # never steps: the servers do
+                model.named_parameters(),
+                kv=kv,
+                compression={"type": "sketch", "columns": 60, "k": k},
+                server_optimizer=("sgd", {"learning_rate": 0.5}),
+            )
+            changed = []
+            for _ in range(3):
+                before = [p.detach().clone() for p in model.parameters()]
+                opt.zero_grad()
+                x = torch.randn(16, 40, generator=gen)
+                y = torch.randint(0, 3, (16,), generator=gen)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                changed.append(
+                    [int((p.detach() != b).sum()) for p, b in zip(model.parameters(), before)]
+                )
+            return [p.detach().clone() for p in model.parameters()], changed
+
+    (params0, changed), (params1, _) = run_ranks(N, worker, timeout=120)
+    for a, b in zip(params0, params1, strict=True):
+        assert torch.equal(a, b)
+    for per_step in changed:  # a round moves at most k weights of each key (weight decay 0)
+        assert all(c <= k for c in per_step) and sum(per_step) > 0
