@@ -226,9 +226,8 @@ def test_training_through_kvstore_torch(two_servers_two_workers):
                 y = torch.randint(0, 3, (16,), generator=gen)
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
-                changed.append(
-                    [int((p.detach() != b).sum()) for p, b in zip(model.parameters(), before)]
-                )
+                pairs = zip(model.parameters(), before, strict=True)
+                changed.append([int((p.detach() != b).sum()) for p, b in pairs])
             return [p.detach().clone() for p in model.parameters()], changed
 
     (params0, changed), (params1, _) = run_ranks(N, worker, timeout=120)
