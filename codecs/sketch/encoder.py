@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstore.codecs.base import Encoder, Payloads, PushQuality, frame_array, squared_norm
+from kvstore.codecs.base import (
+    Encoder,
+    Payloads,
+    PushQuality,
+    frame_array,
+    frame_nbytes,
+    squared_norm,
+)
 from kvstore.codecs.sketch import kernels
 from kvstore.codecs.sparse import INDEX_DTYPE, check_indices
 from kvstore.codecs.xp import array_module, device_to_host, is_cupy_array, pinned_empty
@@ -96,9 +103,9 @@ class SketchEncoder(Encoder):
         where = f"codec 'sketch': the server's {what} for a {self.numel}-element chunk"
         if len(reply) != 1:
             raise CodecError(f"{where} come in 1 frame, got {len(reply)}")
-        raw = memoryview(getattr(reply[0], "buffer", reply[0])).cast("B")
-        if raw.nbytes % INDEX_DTYPE.itemsize:
-            raise CodecError(f"{where} are {raw.nbytes} bytes, not whole uint32 indices")
+        nbytes = frame_nbytes(reply[0])
+        if nbytes % INDEX_DTYPE.itemsize:
+            raise CodecError(f"{where} are {nbytes} bytes, not whole uint32 indices")
         indices = frame_array(reply[0], INDEX_DTYPE)
         if indices.size > most:
             raise CodecError(f"{where} are {indices.size}, more than the {most} expected")
