@@ -20,15 +20,22 @@ must move (its memory floor):
 * the quantizing codecs (``1bit``, ``efsign``, ``terngrad``, ``qsgd``, ``fp16``, ``bf16``):
   the encode of a chunk with its state update, and the server's decode-and-accumulate of one
   push, each next to its memory floor (:data:`QUANTIZER_CASES`);
+* the ``sketch`` codec (count sketches, 10x, 50x and 100x smaller than the values): the
+  worker's sketch against its memory floor (read the values, write the table), the server's
+  sum of a push (an add of ``rows x columns`` floats, no decode) against ``a += b`` of that
+  many floats, its unsketch of a round (and the share of it in the estimates), and its CPU for
+  a round of 8 pushes against ``topk``'s decode-then-sum of pushes of the same bytes
+  (:func:`bench_sketch`);
 * ``powersgd``'s worker side of a step of a 4096 x 4096 key at rank 4, against one numpy
   float32 matmul of the same shapes (``M @ Q``).
 
 It also times the server-side decode/aggregate of one round (the real ``Aggregator`` objects,
 one per partition) on 1, 2, 4... threads, which scales because the kernels release the GIL.
 With ``--gpu`` (CuPy and a device needed) it times the CuPy kernels at 100M elements against a
-device-to-device copy of the same bytes (bytes read + written), and trains the MNIST example with
-2 workers (each a process on the one GPU) x 2 servers through :mod:`benchmarks.convergence`, with
-CUDA tensors and, as the baseline in the same run, on the CPU: MLP and CNN, dense and 2-bit. Each
+device-to-device copy of the same bytes (bytes read + written; the sketch against a read of its
+values), and trains the MNIST example with 2 workers (each a process on the one GPU) x 2 servers
+through :mod:`benchmarks.convergence`, with CUDA tensors and, as the baseline in the same run, on
+the CPU: MLP and CNN, dense and 2-bit. Each
 training line has the final test accuracy and worker 0's per-step milliseconds of encode (the
 kernels), device-to-host copy, wire (waiting for the servers' replies) and host-to-device copy.
 
@@ -61,9 +68,23 @@ from kvstore.codecs import get_codec, twobit  # noqa: E402
 from kvstore.codecs.finite import count_nonfinite  # noqa: E402
 
 PRESETS = {
-    "smoke": {"elements": 1 << 20, "repeats": 5, "threads": [1, 2], "partitions": 8},
-    "full": {"elements": 16 << 20, "repeats": 21, "threads": [1, 2, 4], "partitions": 16},
+    "smoke": {
+        "elements": 1 << 20,
+        "repeats": 5,
+        "threads": [1, 2],
+        "partitions": 8,
+        "sketch_repeats": 5,
+    },
+    "full": {
+        "elements": 16 << 20,
+        "repeats": 21,
+        "threads": [1, 2, 4],
+        "partitions": 16,
+        "sketch_repeats": 7,
+    },
 }
+"""Array sizes and repeat counts. The sketch's unsketch reads ``rows`` buckets per element (a
+second or more at the full size), so its section repeats fewer times."""
 
 
 def bench_kernels(n: int, repeats: int) -> None:
@@ -170,6 +191,147 @@ def bench_sparse(n: int, repeats: int) -> None:
         emit({"bench": "codecs", "op": name, "elements": n, "seconds": round(seconds, 6),
               "ratio_to_add": round(seconds / base, 3),
               "floor_ratio": round(floors[name] / 12.0, 3), "threads": 1})  # fmt: skip
+
+
+SKETCH_COLUMNS = (0.02, 0.004, 0.002)
+"""The sketch widths timed (``columns``, a fraction of the key's elements): with 5 rows (the
+default) a push is 10x, 50x and 100x smaller than the dense values."""
+
+SKETCH_WORKERS = 8
+"""Pushes per server round in the sketch-against-topk comparison."""
+
+
+def bench_sketch(n: int, repeats: int, rows: int = 5) -> None:
+    """The ``sketch`` codec on the CPU at each width of :data:`SKETCH_COLUMNS`, against ``a +=
+    b`` over ``n`` float32 timed in the same run (all interleaved):
+
+    * the worker's sketch of an ``n``-element key (the chunk encoder, as the client calls it):
+      its memory floor is a read of the values and a write of the table, ``4 + 4 * rows *
+      columns / n`` bytes per element (the kernel also reads the values once for their peak);
+    * the server's sum of one push (``add``: no decode, the size and finiteness checks and an
+      add of ``rows x columns`` floats), also against ``a += b`` of that many floats (floor
+      16 bytes per table float: the check reads it, the add reads two and writes one);
+    * the server's unsketch of a round (``finish``: FetchSGD's momentum and error update, the
+      ``n x rows`` reads of the estimates, the top-k, the bucket zeroing) and the share of it
+      that the estimates alone take;
+    * the server's CPU for a round of :data:`SKETCH_WORKERS` pushes (``add`` each, then
+      ``finish``) against ``topk``'s decode-then-sum round of pushes of the same bytes (a
+      ``topk`` element is 8 bytes: ``ratio = 4 * rows * columns / (8 * n)``).
+    """
+    from kvstore.codecs import codec_from_spec
+    from kvstore.codecs.sketch import SketchCodec
+    from kvstore.codecs.sketch import kernels as sketch_kernels
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(SKETCH_WORKERS)]
+    cases: dict[str, Any] = {"a += b (numpy)": lambda: np.add(a, b, out=a)}
+    fields: dict[str, dict[str, Any]] = {}
+    labels = []
+    for columns in SKETCH_COLUMNS:
+        codec = SketchCodec(rows=rows, columns=columns)
+        plan = codec.plan(0, n, n)
+        if plan.dense:  # too few elements for a sketch this wide to be smaller than the values
+            continue
+        label = f"sketch rows={rows} columns={columns}"
+        labels.append(label)
+        table_floats = plan.rows * plan.columns
+        encoder = codec.make_key_encoder("bench", n, "float32", [(0, n)])
+        # (the first encode compiles the kernels, or loads their cache, outside the timing)
+        pushes = [[np.array(encoder.chunks[0].encode(grad)[0], copy=True)] for grad in grads]
+        pushed = iter(range(1 << 62))
+
+        def encode(encoder: Any = encoder, pushed: Any = pushed) -> None:
+            grad = grads[next(pushed) % 2]
+            encoder.begin(grad, finite=True)  # the client checked them
+            encoder.chunks[0].encode(grad)
+
+        aggregator = codec.make_aggregator(n, "float32")
+        aggregator.add(pushes[0], first=True)
+        aggregator.finish()
+        round_aggregator = codec.make_aggregator(n, "float32")
+        table_a = rng.standard_normal(table_floats).astype(np.float32)
+        table_b = rng.standard_normal(table_floats).astype(np.float32)
+
+        def add(aggregator: Any = aggregator, push: Any = pushes[1]) -> None:
+            aggregator.add(push, first=False)
+
+        keys = codec.row_keys(None)  # the hashes of make_aggregator's chunk (no key)
+
+        def estimates(aggregator: Any = aggregator, keys: Any = keys) -> None:
+            sketch_kernels.estimates(aggregator.error, keys, 0, n)
+
+        # topk pushes of the same bytes: 8 bytes (a uint32 index, a float32 value) per element
+        ratio = 4 * table_floats / (8 * n)
+        topk = codec_from_spec({"type": "topk", "ratio": ratio, "sample": 0})
+        topk_encoder = topk.make_key_encoder("bench", n, "float32", [(0, n)])
+        topk_aggregator = topk.make_aggregator(n, "float32")
+        topk_pushes = []
+        for grad in grads:
+            topk_encoder.begin(grad, finite=True)
+            topk_pushes.append([np.array(f) for f in topk_encoder.chunks[0].encode(None)])
+
+        def server_round(aggregator: Any, pushes: list[Any]) -> None:
+            for i, push in enumerate(pushes):
+                aggregator.add(push, first=i == 0)
+            aggregator.finish()
+
+        common = {"rows": plan.rows, "columns": plan.columns, "k": plan.k,
+                  "compression": round(n / table_floats, 1)}  # fmt: skip
+        parts: dict[str, tuple[Any, dict[str, Any]]] = {
+            "encode": (encode, {"floor_ratio": round((4 + 4 * table_floats / n) / 12, 3)}),
+            "server add": (add, {}),
+            "table a += b": (lambda x=table_a, y=table_b: np.add(x, y, out=x), {}),
+            "server finish": (aggregator.finish, {}),
+            "estimates": (estimates, {}),
+            "server round": (
+                lambda agg=round_aggregator, p=pushes: server_round(agg, p),
+                {"push_bytes": 4 * table_floats},
+            ),
+            "topk server round": (
+                lambda agg=topk_aggregator, p=topk_pushes: server_round(agg, p),
+                {"topk_ratio": round(ratio, 6),
+                 "push_bytes": sum(f.nbytes for f in topk_pushes[0])},
+            ),
+        }  # fmt: skip
+        for part, (fn, extra) in parts.items():
+            cases[f"{label} {part}"] = fn
+            fields[f"{label} {part}"] = {**common, **extra}
+    medians = interleaved_medians(cases, repeats)
+    base = medians["a += b (numpy)"]
+    for label in labels:
+
+        def seconds(part: str, label: str = label) -> float:
+            return medians[f"{label} {part}"]
+
+        def emit_part(op: str, part: str, label: str = label, **more: Any) -> None:
+            emit({"bench": "codecs", "op": f"{label} {op} (numba)", "elements": n,
+                  **fields[f"{label} {part}"], "seconds": round(seconds(part), 6),
+                  "ms": round(seconds(part) * 1e3, 3), "add_seconds": round(base, 6),
+                  "ratio_to_add": round(seconds(part) / base, 3), **more,
+                  "threads": 1})  # fmt: skip
+
+        emit_part("encode", "encode", input_gbytes_per_s=round(4 * n / seconds("encode") / 1e9, 2))
+        emit_part(
+            "server add",
+            "server add",
+            table_add_seconds=round(seconds("table a += b"), 6),
+            ratio_to_table_add=round(seconds("server add") / seconds("table a += b"), 3),
+            table_add_floor_ratio=round(16 / 12, 3),
+        )
+        emit_part(
+            "server finish",
+            "server finish",
+            estimates_share=round(seconds("estimates") / seconds("server finish"), 3),
+        )
+        emit_part("estimates", "estimates")
+        emit_part(
+            f"server round, {SKETCH_WORKERS} pushes",
+            "server round",
+            ratio_to_topk_round=round(seconds("server round") / seconds("topk server round"), 3),
+        )
+        emit_part(f"topk server round, {SKETCH_WORKERS} pushes", "topk server round")
 
 
 QUANTIZER_CASES = {
@@ -328,6 +490,8 @@ def bench_gpu(repeats: int) -> None:
     import cupy
 
     from kvstore.codecs.cast import cuda_kernels as _cast_cuda
+    from kvstore.codecs.sketch import SketchCodec
+    from kvstore.codecs.sketch import cuda_kernels as _sketch_cuda
 
     n = 100_000_000
     rng = cupy.random.default_rng(0)
@@ -370,6 +534,14 @@ def bench_gpu(repeats: int) -> None:
             10.0,
         ),
     }
+    for columns in SKETCH_COLUMNS[:2]:  # the sketch kernel alone; its floor: read the values
+        sketch_codec = SketchCodec(columns=columns)
+        plan, keys = sketch_codec.plan(0, n, n), sketch_codec.row_keys("bench")
+
+        def sketch_on_device(keys: Any = keys, width: int = plan.columns) -> Any:
+            return _sketch_cuda.sketch(grad, keys, 0, width)
+
+        cases[f"sketch rows={plan.rows} columns={columns} (cupy)"] = (sketch_on_device, 4.0)
     emit({"bench": "codecs", "op": "device copy (cupy)", "elements": n, "seconds": copy_s,
           "gbytes_per_s": round(copy_bw / 1e9, 1),
           "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()})  # fmt: skip
@@ -406,10 +578,13 @@ GPU_CODECS = {
     "topk (exact)": ({"type": "topk", "ratio": 0.01, "sample": 0}, 12.0),
     "randomk": ({"type": "randomk", "ratio": 0.01}, 12.0),
     "dgc": ({"type": "dgc", "ratio": 0.001}, 20.0),
+    "sketch": ({"type": "sketch"}, 4.0),
+    "sketch (columns 0.004)": ({"type": "sketch", "columns": 0.004}, 4.0),
 }
 """Codecs timed through their GPU encoders (key encoder, one chunk) with the bytes per element
 their kernels read and write: gradient and state read, state and codes written (DGC: two state
-arrays; the scaled quantizers: a first pass for the scales)."""
+arrays; the scaled quantizers: a first pass for the scales; the sketch: the values read, its
+small table aside)."""
 
 
 def bench_gpu_encoders(n: int, repeats: int, copy_bw: float) -> None:
@@ -519,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_kernels(n, repeats)
         bench_sparse(n, repeats)
         bench_quantizers(n, repeats)
+        bench_sketch(n, args.repeats or preset["sketch_repeats"])
         if args.preset == "full":
             bench_powersgd(repeats)
         else:

@@ -57,6 +57,9 @@ def test_codec_benchmark_smoke():
     assert {"a += b (numpy)", "2bit encode (numba)", "2bit decode+accumulate (numba)"} <= ops
     assert {"qsgd (levels 15) encode (numba)", "1bit decode+accumulate (numba)"} <= ops
     assert "powersgd worker step (numba)" in ops
+    sketch = "sketch rows=5 columns=0.004"
+    assert {f"{sketch} encode (numba)", f"{sketch} server round, 8 pushes (numba)"} <= ops
+    assert {f"{sketch} topk server round, 8 pushes (numba)", f"{sketch} estimates (numba)"} <= ops
     assert all(r["ratio_to_add"] > 0 for r in records if "ratio_to_add" in r)
     assert "machine" in records[-1]
 
