@@ -5,6 +5,8 @@ an integer sum that cannot overflow."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -21,8 +23,8 @@ from kvstore.codecs.sketch.hashing import (
 
 SIZES = (1, 17, 4099, 65537)
 COLUMNS = (1, 7, 1000)
-ROWS = (1, 3, 5, 15)
-STARTS = (0, 12345)
+ROWS = (1, 3, 5, 7, 9, 15)  # each median network, and the insertion sort beyond them
+STARTS = (0, 12345, 2**32 - 3000)  # the last: blocks whose indices cross 2**32
 
 
 def awkward_values(n: int, seed: int) -> np.ndarray:
@@ -66,6 +68,24 @@ def test_numba_kernels_give_the_reference_bits(n, columns):
                     zero_buckets_reference(want, keys, start, local)
                     kernels.zero_buckets(have, keys, start, local.astype(index_type))
                     assert same_bits(have, want)
+
+
+@pytest.mark.parametrize("rows", (1, 3, 5, 7, 9))
+def test_the_medians_are_the_middle_of_every_order(rows):
+    """Every order of ``rows`` distinct values (all of them up to 7 rows, a sample beyond) and
+    of values with ties: a median network that swapped one pair wrongly fails some order."""
+    rng = np.random.default_rng(rows)
+    if rows <= 7:
+        orders = np.array(list(itertools.permutations(range(rows))), np.float32)
+    else:
+        orders = np.argsort(rng.random((5000, rows)), axis=1).astype(np.float32)
+    ties = rng.integers(-2, 3, size=(3000, rows)).astype(np.float32)
+    for columns in (orders - rows // 2, ties):
+        gathered = np.ascontiguousarray(columns.T)
+        out = np.empty(gathered.shape[1], np.float32)
+        kernels._medians(gathered, out.size, out)
+        expected = np.sort(columns, axis=1)[:, rows // 2]
+        assert same_bits(out, expected + np.float32(0))  # a zero median as +0.0
 
 
 def test_peak_abs_is_the_largest_magnitude():
