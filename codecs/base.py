@@ -293,6 +293,12 @@ class Aggregator(ABC):
         their step (PowerSGD's sum of Q). None (the default): plain acknowledgements."""
         return None
 
+    def abandon(self) -> None:
+        """The round failed (a push refused, a finish that raised): forget what the round
+        started, so the next one begins afresh. State kept between rounds (:attr:`state_names`)
+        changes only in a :meth:`finish` that succeeds. Does nothing by default."""
+        return None
+
     def relay_frames(self) -> list[Any] | None:
         """For a codec whose round value is itself a compressed payload
         (:attr:`Codec.relays_round_result`): the frames of one push whose

@@ -159,6 +159,8 @@ class Rounds:
                     )
             self._release_pulls(chunk)
         else:
+            if error is not None:
+                chunk.aggregator.abandon()  # (the exact sketch's candidates, for one)
             self._pushes_done(chunk, replies, error, acknowledgement)
         if self._state.metrics is not None:
             # (``started`` was read above: a push admitted while this awaited the pool began

@@ -113,6 +113,11 @@ class SketchAggregator(Aggregator):
         self._publish(candidates[chosen].astype(np.int64), self._picked[chosen])
         return None
 
+    def abandon(self) -> None:
+        """A failed round (with ``exact``, maybe between its two trips) starts over: the next
+        push is a first trip's sketch again."""
+        self._candidates = None
+
     def reply_frames(self) -> list[Any] | None:
         """With ``exact``: the indices of the update, where the workers zero ``u`` and ``v``."""
         return [self._taken] if self._exact else None

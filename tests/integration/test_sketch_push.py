@@ -235,3 +235,30 @@ def test_training_through_kvstore_torch(two_servers_two_workers):
         assert torch.equal(a, b)
     for per_step in changed:  # a round moves at most k weights of each key (weight decay 0)
         assert all(c <= k for c in per_step) and sum(per_step) > 0
+
+
+def test_few_nonzeros_are_pulled_exactly(two_servers_two_workers):
+    """At most ``k`` nonzero elements in the workers' sum and enough columns: the pulled value
+    is that sum, exactly (no three rows of an element collide at this size and seed)."""
+    numel, k = 20_000, 12
+    spec = {"type": "sketch", "columns": 2000, "k": k, "momentum": 0.0}
+
+    def grad(rank):
+        rng = np.random.default_rng(rank)
+        g = np.zeros(numel, np.float32)
+        g[rng.choice(numel, k // N, replace=False)] = rng.normal(0, 3, k // N).astype(np.float32)
+        return g
+
+    def worker(rank):
+        with connect(two_servers_two_workers, rank, N) as kv:
+            kv.set_gradient_compression(spec)
+            kv.init("sparse", np.zeros(numel, np.float32))
+            kv.push("sparse", grad(rank))
+            out = np.empty(numel, np.float32)
+            kv.pull("sparse", out=out)
+            return out
+
+    expected = grad(0) + grad(1)
+    assert np.count_nonzero(expected) == k
+    for pulled in run_ranks(N, worker, timeout=60):
+        assert pulled.tobytes() == expected.tobytes()

@@ -146,3 +146,18 @@ def test_aggregator_state_round_trips_and_checks_its_shapes():
     assert not aggregator.error.any() and not aggregator.momentum.any()
     with pytest.raises(CodecError, match="chunk sizes"):
         aggregator.check_state({name: np.zeros(7, np.float32) for name in state})
+
+
+def test_a_failed_exact_round_starts_over_with_a_sketch():
+    codec = _codec(columns=10, k=4, exact=True)
+    aggregator = codec.make_chunk_aggregator(400, "float32", shape=(400,), start=0, key="w")
+    chunk = codec.make_key_encoder("w", 400, "float32", [(0, 400)]).chunks[0]
+    table = bytes(chunk.encode(np.arange(400, dtype=np.float32))[0])
+    aggregator.add([table], True)
+    candidates = aggregator.finish()
+    assert candidates is not None and len(bytes(candidates[0])) == 4 * 8
+    with pytest.raises(CodecError, match="exact values of the candidates"):
+        aggregator.add([table], True)  # a table where the candidates' values belong
+    aggregator.abandon()  # what the server does with a round that failed
+    aggregator.add([table], True)
+    assert bytes(aggregator.finish()[0]) == bytes(candidates[0])
