@@ -107,6 +107,23 @@ def frame_array(frame: Any, dtype: np.dtype | type, count: int | None = None) ->
     return arr if count is None else arr[:count]
 
 
+def check_saved_state(
+    owner: object, names: Sequence[str], state: Mapping[str, Any], hint: str = ""
+) -> None:
+    """Raise CodecError unless ``state`` holds exactly ``names``, each with the shape and dtype
+    of ``owner``'s attribute of that name (an encoder's or aggregator's saved state)."""
+    kind = type(owner).__name__
+    if set(state) != set(names):
+        raise CodecError(f"{kind} keeps state {sorted(names)}, got {sorted(state)}")
+    for name in names:
+        own, saved = getattr(owner, name), state[name]
+        if tuple(saved.shape) != tuple(own.shape) or np.dtype(saved.dtype) != own.dtype:
+            raise CodecError(
+                f"{kind}.{name} is {own.dtype}{list(own.shape)}, the saved state is "
+                f"{saved.dtype}{list(saved.shape)}{hint}"
+            )
+
+
 class Encoder(ABC):
     """Worker-side encoder of one key chunk; holds the codec's per-worker state.
 
@@ -145,17 +162,7 @@ class Encoder(ABC):
         Raises:
             CodecError: the names, shapes or dtypes are not this encoder's.
         """
-        if set(state) != set(self.state_names):
-            raise CodecError(
-                f"{type(self).__name__} keeps state {sorted(self.state_names)}, got {sorted(state)}"
-            )
-        for name in self.state_names:
-            own, saved = getattr(self, name), state[name]
-            if tuple(saved.shape) != tuple(own.shape) or np.dtype(saved.dtype) != own.dtype:
-                raise CodecError(
-                    f"{type(self).__name__}.{name} is {own.dtype}{list(own.shape)}, the saved "
-                    f"state is {saved.dtype}{list(saved.shape)}"
-                )
+        check_saved_state(self, self.state_names, state)
         for name in self.state_names:
             own, saved = getattr(self, name), state[name]
             if is_cupy_array(own):
@@ -323,17 +330,7 @@ class Aggregator(ABC):
 
     def check_state(self, state: Mapping[str, np.ndarray]) -> None:
         """Raise CodecError unless ``state`` has this aggregator's names, shapes and dtypes."""
-        if set(state) != set(self.state_names):
-            raise CodecError(
-                f"{type(self).__name__} keeps state {sorted(self.state_names)}, got {sorted(state)}"
-            )
-        for name in self.state_names:
-            own, saved = getattr(self, name), state[name]
-            if tuple(saved.shape) != tuple(own.shape) or np.dtype(saved.dtype) != own.dtype:
-                raise CodecError(
-                    f"{type(self).__name__}.{name} is {own.dtype}{list(own.shape)}, the saved "
-                    f"state is {saved.dtype}{list(saved.shape)} (saved with other chunk sizes?)"
-                )
+        check_saved_state(self, self.state_names, state, " (saved with other chunk sizes?)")
 
     def load_state(self, state: Mapping[str, np.ndarray] | None) -> None:
         """Copy a checked :meth:`state` into the aggregator's own arrays; None zeroes them (a
@@ -524,6 +521,19 @@ class Codec(ABC):
                 f"codec {self.name!r}: a chunk of {numel} {dtype} elements needs payload frames "
                 f"of {list(expected)} bytes, got {list(sizes)}"
             )
+
+
+SERVER_MOMENTUM = {"sgd": "momentum", "dcasgd": "momentum", "adam": "beta1"}
+"""The hyperparameter that gives each server optimizer momentum."""
+
+
+def server_momentum(name: str, params: Mapping[str, Any]) -> str | None:
+    """The momentum hyperparameter of server optimizer ``name`` when ``params`` turn it on
+    (``momentum=0.9``), else None: what a codec that applies momentum itself refuses."""
+    momentum = SERVER_MOMENTUM.get(name)
+    if momentum is not None and float(params.get(momentum, 0.0) or 0.0) > 0:
+        return momentum
+    return None
 
 
 ANY_RELAY_PUSHES = 1 << 20

@@ -70,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.codecs.base import Codec, Encoder, KeyEncoder, seed_param
+from kvstore.codecs.base import Codec, Encoder, KeyEncoder, seed_param, server_momentum
 from kvstore.codecs.counter_rng import stable_key_hash
 from kvstore.codecs.sketch.hashing import MAX_ROWS, row_keys
 from kvstore.codecs.sparse import ceil_ratio, sum_relay
@@ -274,8 +274,8 @@ class SketchCodec(Codec):
 
     def check_optimizer(self, name: str, params: Mapping[str, Any]) -> None:
         if self.exact:
-            momentum = {"sgd": "momentum", "dcasgd": "momentum", "adam": "beta1"}.get(name)
-            if momentum is not None and float(params.get(momentum, 0.0) or 0.0) > 0:
+            momentum = server_momentum(name, params)
+            if momentum is not None:
                 raise CodecError(
                     f"codec 'sketch' with exact=true keeps momentum on the workers, and the "
                     f"server optimizer {name!r} with {momentum}={params[momentum]} would apply "

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.codecs.base import server_momentum
 from kvstore.codecs.sparse import (
     Accumulation,
     Selection,
@@ -190,8 +191,8 @@ class DGCCodec(SparseCodec):
         return encode_reference(state["u"], state["v"], grad, selection, self.accumulation())
 
     def check_optimizer(self, name: str, params: Mapping[str, Any]) -> None:
-        momentum = {"sgd": "momentum", "dcasgd": "momentum", "adam": "beta1"}.get(name)
-        if momentum is not None and float(params.get(momentum, 0.0) or 0.0) > 0:
+        momentum = server_momentum(name, params)
+        if momentum is not None:
             raise CodecError(
                 f"codec 'dgc' applies momentum on the workers (momentum correction), and the "
                 f"server optimizer {name!r} with {momentum}={params[momentum]} would apply it "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvtest import require_cupy
+from sketch_cases import COLUMNS, ROWS, SIZES, STARTS, awkward_values
 
 from kvstore.codecs.counter_rng import stable_key_hash
 from kvstore.codecs.sketch.hashing import (
@@ -21,25 +22,6 @@ cupy = require_cupy()
 from kvstore.codecs.sketch import cuda_kernels  # noqa: E402  (needs CuPy)
 
 pytestmark = pytest.mark.gpu
-
-SIZES = (1, 17, 4099, 65537)
-COLUMNS = (1, 7, 1000)
-ROWS = (1, 3, 5, 15)
-STARTS = (0, 12345)
-
-
-def awkward_values(n: int, seed: int) -> np.ndarray:
-    """Normal values with ties, zeros, a spike and a subnormal."""
-    rng = np.random.default_rng(seed)
-    values = rng.standard_normal(n).astype(np.float32)
-    values[::5] = 0
-    values[1::7] = values[0]
-    values[2::11] = -values[0]
-    if n > 3:
-        values[3] = 1e4
-    if n > 4:
-        values[4] = np.float32(1e-42)
-    return values
 
 
 def same_bits(device: object, host: np.ndarray) -> bool:

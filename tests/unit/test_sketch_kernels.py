@@ -9,6 +9,7 @@ import itertools
 
 import numpy as np
 import pytest
+from sketch_cases import COLUMNS, ROWS, SIZES, STARTS, awkward_values
 
 from kvstore.codecs.counter_rng import stable_key_hash
 from kvstore.codecs.sketch import numba_kernels as kernels
@@ -20,25 +21,6 @@ from kvstore.codecs.sketch.hashing import (
     sketch_reference,
     zero_buckets_reference,
 )
-
-SIZES = (1, 17, 4099, 65537)
-COLUMNS = (1, 7, 1000)
-ROWS = (1, 3, 5, 7, 9, 15)  # each median network, and the insertion sort beyond them
-STARTS = (0, 12345, 2**32 - 3000)  # the last: blocks whose indices cross 2**32
-
-
-def awkward_values(n: int, seed: int) -> np.ndarray:
-    """Normal values with ties, zeros, a spike and a subnormal."""
-    rng = np.random.default_rng(seed)
-    values = rng.standard_normal(n).astype(np.float32)
-    values[::5] = 0
-    values[1::7] = values[0]  # ties
-    values[2::11] = -values[0]
-    if n > 3:
-        values[3] = 1e4  # a spike: the small values lose low bits in fixed point
-    if n > 4:
-        values[4] = np.float32(1e-42)  # subnormal
-    return values
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
