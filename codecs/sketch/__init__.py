@@ -15,11 +15,12 @@ counts per key (ints) or fractions of the key's elements (floats in ``(0, 1]``):
 
     share(v, n_c) = ceil(v * n_c / n)   for an int v        (n: the key's elements)
                     ceil(v * n_c)       for a fraction v     (n_c: the chunk's)
-    columns_c = max(1, share(columns, n_c));   k_c = min(n_c, max(1, share(k, n_c)))
+    columns_c = max(64, share(columns, n_c));   k_c = min(n_c, max(1, share(k, n_c)))
 
-A chunk whose sketch would not be smaller than its values (``rows * columns_c >= n_c``) sends
-its values instead, and its server keeps the same state dense: that is what a sketch with
-enough columns recovers exactly.
+A chunk whose sketch would not be smaller than its values (``rows * columns_c >= n_c``: small
+keys such as biases) sends its values instead, its server keeps the same state dense and its
+update is all of it (``k_c = n_c``): what a sketch with enough columns recovers exactly, and
+plain momentum SGD for that chunk.
 
 **FetchSGD** (``exact: false``, the default). Workers keep no state: a push is the sketch of the
 gradient. Per round the server sums the N sketches into ``S`` and, with ``rho`` the codec's
@@ -78,6 +79,11 @@ from kvstore.errors import CodecError
 
 Size = int | float
 """A count per key (int) or a fraction of the key's elements (float in (0, 1])."""
+
+MIN_COLUMNS = 64
+"""The fewest buckets per row a chunk is sketched in: an estimate's error is about the norm of
+what shares its bucket, so a narrower sketch recovers nothing of use (a 10-element bias in one
+bucket per row would be updated by the sum of all its gradients)."""
 
 MAX_KEY_ELEMENTS = 1 << 32
 """Elements are hashed by their index in the key, a 32-bit word."""
@@ -207,8 +213,9 @@ class SketchCodec(Codec):
                 f"codec 'sketch' hashes elements by a 32-bit index: a key of {key_numel} "
                 f"elements is too large"
             )
-        columns = share(self.columns, numel, key_numel)
-        k = min(numel, share(self.k, numel, key_numel))
+        columns = max(MIN_COLUMNS, share(self.columns, numel, key_numel))
+        dense = self.rows * columns >= numel
+        k = numel if dense else min(numel, share(self.k, numel, key_numel))
         return ChunkPlan(
             start=start,
             numel=numel,
@@ -216,7 +223,7 @@ class SketchCodec(Codec):
             columns=columns,
             k=k,
             candidates=min(numel, 2 * k),
-            dense=self.rows * columns >= numel,
+            dense=dense,
         )
 
     def row_keys(self, key: Any) -> np.ndarray:

@@ -24,7 +24,7 @@ from kvstore.codecs.sparse.topk import top_k_reference
 pytestmark = pytest.mark.integration
 
 N = 2
-SPLIT = {"bigarray_bound": 1000, "partition_bytes": 4096}
+SPLIT = {"bigarray_bound": 1000, "partition_bytes": 8192}
 KEYS = {"big": 3001, 7: 40}  # "big" is cut into chunks on both servers; 7 is sent dense
 STEPS = 4
 
@@ -122,11 +122,12 @@ def _run(addresses, spec, optimizer=None):
 
 @pytest.mark.parametrize("exact", [False, True], ids=["fetchsgd", "exact"])
 def test_pulls_are_the_oracles_sparse_updates(two_servers_two_workers, exact):
-    spec = {"type": "sketch", "columns": 150, "k": 0.02, "momentum": 0.9, "exact": exact}
+    spec = {"type": "sketch", "columns": 400, "k": 0.02, "momentum": 0.9, "exact": exact}
     codec = codec_from_spec(spec)
     results = _run(two_servers_two_workers, spec)
     bounds = results[0][1]
     assert len(bounds["big"]) > 2 and codec.plan(0, KEYS[7], KEYS[7]).dense
+    assert not any(codec.plan(a, b - a, KEYS["big"]).dense for a, b in bounds["big"])
     for name_index, name in enumerate(KEYS):
         if exact:
             expected = _exact_oracle(codec, name, bounds[name])
@@ -149,7 +150,7 @@ def test_a_round_is_pulled_as_sparse_pairs(two_servers_two_workers):
 
 def test_a_server_sgd_scales_the_error_and_moves_the_weights(two_servers_two_workers):
     lr, wd, rescale = 0.1, 0.01, 0.5
-    spec = {"type": "sketch", "columns": 150, "k": 0.02, "momentum": 0.5}
+    spec = {"type": "sketch", "columns": 400, "k": 0.02, "momentum": 0.5}
     codec = codec_from_spec(spec)
     optimizer = ("sgd", {"learning_rate": lr, "wd": wd, "rescale_grad": rescale})
     results = _run(two_servers_two_workers, spec, optimizer)
@@ -167,7 +168,7 @@ def test_a_server_sgd_scales_the_error_and_moves_the_weights(two_servers_two_wor
 def test_a_loaded_checkpoint_restores_the_servers_sketches(two_servers_two_workers, tmp_path):
     """Momentum and error sketches are server state: after a load the same pushes give the same
     bits as the first time (a load that lost them would recover other elements)."""
-    spec = {"type": "sketch", "columns": 150, "k": 0.02, "momentum": 0.9}
+    spec = {"type": "sketch", "columns": 400, "k": 0.02, "momentum": 0.9}
     ckpt = tmp_path / "ckpt"
 
     def steps(kv, rank, which):
@@ -233,8 +234,12 @@ def test_training_through_kvstore_torch(two_servers_two_workers):
     (params0, changed), (params1, _) = run_ranks(N, worker, timeout=120)
     for a, b in zip(params0, params1, strict=True):
         assert torch.equal(a, b)
-    for per_step in changed:  # a round moves at most k weights of each key (weight decay 0)
-        assert all(c <= k for c in per_step) and sum(per_step) > 0
+    codec = codec_from_spec({"type": "sketch", "columns": 60, "k": k})
+    sizes = [50 * 40, 50, 3 * 50, 3]  # the weights and biases, in order
+    most = [plan.k for plan in (codec.plan(0, n, n) for n in sizes)]
+    assert most[0] == k and most[1] == 50  # the biases travel dense: all of them move
+    for per_step in changed:  # a round moves at most k weights of a sketched key
+        assert all(c <= m for c, m in zip(per_step, most, strict=True)) and sum(per_step) > 0
 
 
 def test_few_nonzeros_are_pulled_exactly(two_servers_two_workers):

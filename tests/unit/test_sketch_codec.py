@@ -46,8 +46,10 @@ def test_counts_and_fractions_are_shared_out_by_chunk():
     plans = [codec.plan(a, b - a, 3000) for a, b in [(0, 1000), (1000, 3000)]]
     assert [(p.columns, p.k, p.candidates) for p in plans] == [(100, 10, 20), (200, 20, 40)]
     assert not any(p.dense for p in plans)
-    small = codec.plan(0, 40, 40)  # 5 rows of 300 columns would be larger than 40 values
-    assert small.dense and small.pushed == 40 and small.k == 30
+    narrow = codec.plan(0, 400, 3000)  # 40 columns: raised to the floor of 64
+    assert (narrow.columns, narrow.dense) == (64, False)
+    small = codec.plan(0, 300, 300)  # 5 rows of 64 columns would be larger than 300 values
+    assert small.dense and small.pushed == 300 and small.k == 300  # all of it, exactly
 
 
 def test_the_servers_sum_of_sketches_is_the_sketch_of_the_sum():
@@ -88,15 +90,15 @@ def test_few_nonzeros_and_enough_columns_are_recovered_exactly():
 @pytest.mark.parametrize(
     ("frames", "needle"),
     [
-        ([b"\0" * 8], "needs 100 bytes"),
-        ([np.zeros(25, np.float32), b""], "1 payload frame"),
-        ([np.full(25, np.nan, np.float32)], "NaN or infinite"),
-        ([np.full(25, np.inf, np.float32)], "NaN or infinite"),
+        ([b"\0" * 8], "needs 1280 bytes"),
+        ([np.zeros(320, np.float32), b""], "1 payload frame"),
+        ([np.full(320, np.nan, np.float32)], "NaN or infinite"),
+        ([np.full(320, np.inf, np.float32)], "NaN or infinite"),
     ],
 )
 def test_a_bad_push_is_refused_before_the_state_changes(frames, needle):
-    codec = _codec(columns=5, k=2)
-    aggregator = codec.make_chunk_aggregator(100, "float32", shape=(100,), start=0, key="w")
+    codec = _codec(columns=5, k=2)  # (64 columns: the floor)
+    aggregator = codec.make_chunk_aggregator(1000, "float32", shape=(1000,), start=0, key="w")
     aggregator.momentum += 1
     before = {name: array.copy() for name, array in aggregator.state().items()}
     with pytest.raises(CodecError, match=needle):
