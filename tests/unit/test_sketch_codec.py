@@ -49,7 +49,7 @@ def test_counts_and_fractions_are_shared_out_by_chunk():
     narrow = codec.plan(0, 400, 3000)  # 40 columns: raised to the floor of 64
     assert (narrow.columns, narrow.dense) == (64, False)
     small = codec.plan(0, 300, 300)  # 5 rows of 64 columns would be larger than 300 values
-    assert small.dense and small.pushed == 300 and small.k == 300  # all of it, exactly
+    assert small.dense and small.pushed == 300 and small.k == 30
 
 
 def test_the_servers_sum_of_sketches_is_the_sketch_of_the_sum():
