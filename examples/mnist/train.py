@@ -73,13 +73,16 @@ before the example used ``kvstore.torch``. It is the only wrapper on its store."
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked; ``args.codec`` is the compression spec dict to use and
-    ``args.momentum`` the momentum the optimizer gets (0 with ``dgc``, which has its own)."""
+    ``args.momentum`` the momentum the optimizer gets (0 with ``dgc`` and ``sketch``, which
+    carry their own)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument(
-        "--momentum", type=float, help=f"SGD momentum (default {DEFAULT_MOMENTUM}; 0 with dgc)"
+        "--momentum",
+        type=float,
+        help=f"SGD momentum (default {DEFAULT_MOMENTUM}; 0 with dgc and sketch)",
     )
     parser.add_argument("--wd", type=float, default=1e-4)
     parser.add_argument(
