@@ -32,7 +32,7 @@ from kvstore import checkpoint
 from kvstore.codecs import accumulator_dtype
 from kvstore.errors import CheckpointError, CodecError, OptimizerError
 from kvstore.optimizer_spec import make_optimizer_spec
-from kvstore.server.chunk import ChunkState
+from kvstore.server.chunk import ChunkState, named_with
 from kvstore.server.optimizers import Optimizer, make_optimizer
 
 
@@ -247,7 +247,7 @@ def _stage_chunk(
     _expect(arrays.get("value"), np.dtype(spec.dtype), spec.numel, f"{what}: value")
     if chunk.master is not None:
         _expect(arrays.get("master"), acc, spec.numel, f"{what}: master copy")
-    saved_aggregator = {k[4:]: v for k, v in arrays.items() if k.startswith("agg.")}
+    saved_aggregator = named_with(arrays, "agg.")
     if saved_aggregator:  # a codec's server state: the commit only copies it
         try:
             chunk.aggregator.check_state(saved_aggregator)
@@ -255,7 +255,7 @@ def _stage_chunk(
             raise CheckpointError(f"{what}: {exc}") from exc
     state = None
     if optimizer is not None and meta["optimizer"] == optimizer.name:
-        opt_arrays = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
+        opt_arrays = named_with(arrays, "opt.")
         try:
             state = optimizer.import_state(opt_arrays, dict(meta["scalars"]), spec.numel, acc, what)
         except OptimizerError as exc:

@@ -29,6 +29,12 @@ from kvstore.topology import Key
 from kvstore.wire import Op
 
 
+def named_with(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The checkpoint arrays whose names start with ``prefix`` (``"opt."``: the optimizer's,
+    ``"agg."``: the aggregator's), under their names without it."""
+    return {name[len(prefix) :]: a for name, a in arrays.items() if name.startswith(prefix)}
+
+
 class PendingReply(NamedTuple):
     """Where and how to answer a request later.
 
@@ -249,8 +255,7 @@ class ChunkState:
             saved = arrays.get("pull.w_pub")
             held = saved if saved is not None and saved.shape == out.shape else out
             self.pull.restore(np.asarray(held, dtype=np.float32), meta.get("pull_version", 0))
-        saved_aggregator = {k[4:]: v for k, v in arrays.items() if k.startswith("agg.")}
-        self.aggregator.load_state(saved_aggregator or None)
+        self.aggregator.load_state(named_with(arrays, "agg.") or None)
         self.optimizer_name = meta["optimizer"] if state is not None else None
         self.optimizer_state = state
         self.updates = int(meta["updates"])
@@ -262,14 +267,9 @@ class ChunkState:
         optimizer's update of the current weights by the aggregate.
         """
         assert self.value is not None
-        weights, target = (
-            (self.value.current, out)
-            if self.master is None
-            else (
-                self.master,
-                self.master,
-            )
-        )
+        # a float16 key's update runs on its float32 master copy, in place
+        weights = self.value.current if self.master is None else self.master
+        target = out if self.master is None else self.master
         if optimizer is None:
             np.copyto(target, grad)
         elif self.codec.applies_step_size:  # the aggregate is the step, learning rate included

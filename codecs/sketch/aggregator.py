@@ -48,6 +48,7 @@ class SketchAggregator(Aggregator):
         self._picked = np.zeros(0, dtype=np.float32)
         self._taken = np.zeros(0, dtype=INDEX_DTYPE)
         self._relay: list[Any] | None = None
+        self._estimated: np.ndarray | None = None  # the estimates' buffer, reused every round
         if not codec.exact:
             self.state_names = ("error", "momentum")
             self.momentum = np.zeros(self._shape, dtype=np.float32)
@@ -90,7 +91,8 @@ class SketchAggregator(Aggregator):
         rho, eta = self._rho, np.float32(self.step_size)
         self.momentum *= rho
         self.momentum += self._sum
-        self.error += eta * self.momentum
+        scaled = np.multiply(self.momentum, eta, out=self._sum)  # (the sum is spent)
+        self.error += scaled
         est = self.error if self.plan.dense else self._estimates(self.error)
         taken = top_k_reference(np.abs(est), self.plan.k)
         self._publish(taken, est[taken])
@@ -130,7 +132,9 @@ class SketchAggregator(Aggregator):
     # helpers --------------------------------------------------------------------------------------
 
     def _estimates(self, table: np.ndarray) -> np.ndarray:
-        return kernels.estimates(table, self._keys, self.plan.start, self.numel)
+        if self._estimated is None:
+            self._estimated = np.empty(self.numel, dtype=np.float32)
+        return kernels.estimates(table, self._keys, self.plan.start, self.numel, self._estimated)
 
     def _publish(self, taken: np.ndarray, values: np.ndarray) -> None:
         """Make ``result`` the k-sparse update (every element written, as the server needs)."""

@@ -50,6 +50,8 @@ class SketchEncoder(Encoder):
         self._exact = codec.exact
         self._device = device
         self._out = _host_buffer(plan.pushed, device)
+        # the numba sketch's int64 accumulator, kept so that a push allocates nothing
+        self._scratch = None if plan.dense else np.empty((plan.rows, plan.columns), np.int64)
         self._picked = np.empty(0, np.float32)
         # (a chunk sent dense takes the second trip too: only its end acknowledges the
         # update, where u and v are zeroed)
@@ -74,7 +76,7 @@ class SketchEncoder(Encoder):
                 np.copyto(self._out, pushed)
         else:
             table = self._out.reshape(self.plan.rows, self.plan.columns)
-            kernels.sketch_into(pushed, self._keys, self.plan.start, table)
+            kernels.sketch_into(pushed, self._keys, self.plan.start, table, self._scratch)
         return [self._out]
 
     def next_round(self, reply: Payloads) -> list[Any]:

@@ -27,9 +27,13 @@ def _numba() -> Any:
     return numba_kernels
 
 
-def sketch_into(values: Any, keys: np.ndarray, start: int, out: np.ndarray) -> None:
+def sketch_into(
+    values: Any, keys: np.ndarray, start: int, out: np.ndarray, scratch: np.ndarray | None = None
+) -> None:
     """Write the count sketch of ``values`` (numpy or CuPy; elements ``start ..`` of their key)
-    into the host float32 ``(rows, columns)`` array ``out``."""
+    into the host float32 ``(rows, columns)`` array ``out``. ``scratch``: an int64 array of
+    ``out``'s shape that the numba kernel accumulates in (the caller's, so that a push
+    allocates nothing; None: one is made)."""
     columns = out.shape[1]
     if is_cupy_array(values):
         from kvstore.codecs.sketch import cuda_kernels  # noqa: PLC0415  (CuPy only)
@@ -46,16 +50,21 @@ def sketch_into(values: Any, keys: np.ndarray, start: int, out: np.ndarray) -> N
         out.fill(0)
         return
     q = hashing.fixed_point_exponent(peak, values.size)
-    fixed = np.empty(out.shape, dtype=np.int64)
+    fixed = np.empty(out.shape, dtype=np.int64) if scratch is None else scratch
     numba.sketch_into(values, keys, start, columns, q, fixed, out)
 
 
-def estimates(table: np.ndarray, keys: np.ndarray, start: int, count: int) -> np.ndarray:
-    """The float32 median estimates of elements ``start .. start + count - 1`` (host)."""
-    if not compiled():
-        return hashing.estimates_reference(table, keys, start, count)
-    out = np.empty(count, dtype=np.float32)
-    _numba().estimates_into(table, keys, start, out)
+def estimates(
+    table: np.ndarray, keys: np.ndarray, start: int, count: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """The float32 median estimates of elements ``start .. start + count - 1`` (host), written
+    into ``out`` (``count`` float32, reused across rounds) when given; returns them."""
+    if out is None:
+        out = np.empty(count, dtype=np.float32)
+    if compiled():
+        _numba().estimates_into(table, keys, start, out)
+    else:
+        out[...] = hashing.estimates_reference(table, keys, start, count)
     return out
 
 

@@ -219,7 +219,7 @@ def test_training_through_kvstore_torch(two_servers_two_workers):
                 compression={"type": "sketch", "columns": 60, "k": k},
                 server_optimizer=("sgd", {"learning_rate": 0.5}),
             )
-            changed = []
+            moved_weights = []  # per round: how many weights of each parameter changed
             for _ in range(3):
                 before = [p.detach().clone() for p in model.parameters()]
                 opt.zero_grad()
@@ -228,18 +228,19 @@ def test_training_through_kvstore_torch(two_servers_two_workers):
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
                 pairs = zip(model.parameters(), before, strict=True)
-                changed.append([int((p.detach() != b).sum()) for p, b in pairs])
-            return [p.detach().clone() for p in model.parameters()], changed
+                moved_weights.append([int((p.detach() != b).sum()) for p, b in pairs])
+            return [p.detach().clone() for p in model.parameters()], moved_weights
 
-    (params0, changed), (params1, _) = run_ranks(N, worker, timeout=120)
+    (params0, moved_weights), (params1, _) = run_ranks(N, worker, timeout=120)
     for a, b in zip(params0, params1, strict=True):
         assert torch.equal(a, b)
     codec = codec_from_spec({"type": "sketch", "columns": 60, "k": k})
     sizes = [50 * 40, 50, 3 * 50, 3]  # the weights and biases, in order
-    most = [plan.k for plan in (codec.plan(0, n, n) for n in sizes)]
-    assert most[0] == k and codec.plan(0, 50, 50).dense  # (the biases travel dense)
-    for per_step in changed:  # a round moves at most k weights of a key
-        assert all(c <= m for c, m in zip(per_step, most, strict=True)) and sum(per_step) > 0
+    recovered = [plan.k for plan in (codec.plan(0, n, n) for n in sizes)]
+    assert recovered[0] == k and codec.plan(0, 50, 50).dense  # (the biases travel dense)
+    for moved in moved_weights:  # a round moves at most the k weights it recovered, per key
+        assert all(m <= r for m, r in zip(moved, recovered, strict=True))
+        assert sum(moved) > 0
 
 
 def test_few_nonzeros_are_pulled_exactly(two_servers_two_workers):
