@@ -4,11 +4,16 @@ allreduce baseline of :mod:`benchmarks.time_to_accuracy`.
 Same data shard per rank, model, batch size, seed, epoch order and SGD (with its momentum and
 weight decay) as ``examples/mnist/train.py`` with ``--optimizer local``, through the benchmarks'
 training runner (:func:`benchmarks.training.train_epochs`); DDP averages the gradients with gloo
-allreduce, in fp32 or through torch's PowerSGD communication hook. Worker 0 prints a JSON line
-per epoch: mean loss, test accuracy and the epoch's seconds (its evaluation included, as the
-example's).
+allreduce, in fp32, through torch's fp16 compression hook (``--compress fp16``: the gradients
+travel as 16-bit floats and are averaged in fp32 again; torch refuses its bf16 hook without
+NCCL, so on gloo fp16 is the 16-bit baseline), or through its PowerSGD hook
+(``--powersgd RANK``, with its error feedback and warm start, after ``--powersgd-start`` steps
+of plain fp32 allreduce: the warm-up torch's documentation recommends). Worker 0 prints a JSON
+line per epoch: mean loss, test accuracy and the epoch's seconds (its evaluation included, as
+the example's).
 
-    python -m benchmarks.ddp_mnist --master HOST:PORT --rank R --num-workers N [--powersgd 4]
+    python -m benchmarks.ddp_mnist --master HOST:PORT --rank R --num-workers N \
+        [--compress fp16 | --powersgd 4 --powersgd-start 31]
 """
 
 from __future__ import annotations
@@ -38,9 +43,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wd", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--powersgd", type=int, default=0, metavar="RANK", help="PowerSGD hook rank (0: fp32)"
+        "--powersgd", type=int, default=0, metavar="RANK", help="PowerSGD hook rank (0: none)"
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--powersgd-start",
+        type=int,
+        default=2,
+        metavar="STEP",
+        help="PowerSGD's warm-up: plain fp32 allreduce before this step",
+    )
+    parser.add_argument(
+        "--compress",
+        choices=["none", "fp16"],
+        default="none",
+        help="torch's fp16 compression hook (not with --powersgd)",
+    )
+    args = parser.parse_args(argv)
+    if args.powersgd and args.compress != "none":
+        parser.error("--compress and --powersgd are two hooks: give one")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,9 +85,15 @@ def main(argv: list[str] | None = None) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=args.powersgd, start_powerSGD_iter=2
+            process_group=None,
+            matrix_approximation_rank=args.powersgd,
+            start_powerSGD_iter=args.powersgd_start,
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif args.compress != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.wd
     )

@@ -20,7 +20,12 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
 * ``ps-2bit-bf16``: 2-bit pushes and bf16 compressed pulls;
 * ``ps-topk``: top-k pushes (ratio 0.01) and top-k compressed pulls (ratio 0.01);
 * ``ddp-fp32``: DDP's allreduce of fp32 gradients;
-* ``ddp-powersgd``: DDP with torch's PowerSGD hook, rank 4;
+* ``ddp-powersgd``: DDP with torch's PowerSGD hook, rank 4, compressing from step 2;
+* ``ddp-fp16``: DDP with torch's fp16 compression hook (16-bit gradients on the wire, the fair
+  uncompressed baseline; torch refuses its bf16 hook without NCCL);
+* ``ddp-powersgd2-warmup``, ``ddp-powersgd4-warmup``: the PowerSGD hook at rank 2 and 4 after
+  an epoch of fp32 allreduce (its documented warm-up, ``start_powerSGD_iter``), with its
+  error feedback and warm start (torch's defaults);
 * ``diloco``: the example's DiLoCo mode (``--diloco``, :mod:`kvstore.torch.DiLoCo`): the same
   SGD as every other run's, locally, and every 31 steps (an epoch) an outer step on the
   servers (the paper's Nesterov SGD, learning rate 0.7, momentum 0.9), dense pseudo-gradients
@@ -31,6 +36,13 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
   outer step a plain average.
 
 DiLoCo runs report the accuracy of the outer weights (the model the job agrees on).
+
+``--rates`` trains every run at each link rate, in one invocation. Every epoch record also says
+``sent_bytes_per_host``: the bytes each worker's host sent through its link since the run began
+(counted at the bridge's end of its link, so everything counts: gradients, weights, headers,
+retransmissions; a parameter-server host's colocated server included), the mean over hosts, and
+the CPU split of the epoch as :mod:`benchmarks.bench_cluster` records it (``cpu_busy`` near 1:
+this machine's cores, not the links, set the pace).
 ``--floor RUN ...`` also trains those runs on links that cost nothing (the same hosts, links
 not shaped): the run's compute floor is their seconds per epoch there times the epochs the run
 needed on shaped links, and the summary gives its time against it.
@@ -56,7 +68,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import append_jsonl, emit, machine, server_addresses
-from benchmarks.training import Training, ddp_command, epoch_record, example_command
+from benchmarks.training import (
+    Training,
+    ddp_command,
+    epoch_record,
+    example_command,
+    steps_per_epoch,
+)
 
 DILOCO = ["--diloco", "31", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
 """Dense DiLoCo's options: H = 31 inner steps per outer step (one epoch of 4 workers), the
@@ -72,6 +90,9 @@ RUNS: dict[str, dict[str, Any]] = {
     "ps-topk": {"push": "topk:ratio=0.01", "pull": "topk:ratio=0.01"},
     "ddp-fp32": {"ddp": 0},
     "ddp-powersgd": {"ddp": 4},
+    "ddp-fp16": {"ddp": 0, "compress": "fp16"},
+    "ddp-powersgd2-warmup": {"ddp": 2, "warmup_epochs": 1},
+    "ddp-powersgd4-warmup": {"ddp": 4, "warmup_epochs": 1},
     "diloco": {"push": "none", "pull": "none", "diloco": DILOCO},
     "diloco-topk": {"push": "topk:ratio=0.1", "pull": "bf16", "diloco": DILOCO_AVERAGE},
     "diloco-topk-2bit": {"push": "topk2bit:ratio=0.1", "pull": "topk2bit:ratio=0.1",
@@ -149,15 +170,19 @@ def run_ps(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subpr
 def run_ddp(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
     """Start the DDP workers; worker 0's process."""
     master = f"{cluster.hosts[0].address}:29511"
+    training = _training(args)
+    warmup = run.get("warmup_epochs", 0) * steps_per_epoch(training, args.workers)
     workers = []
     for rank in range(args.workers):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
         argv = ddp_command(
-            _training(args),
+            training,
             master=master,
             rank=rank,
             num_workers=args.workers,
             powersgd=run["ddp"],
+            powersgd_start=warmup or 2,
+            compress=run.get("compress", "none"),
         )
         workers.append(
             cluster.popen(
@@ -176,33 +201,45 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
     Raises:
         RuntimeError: the workers stopped before any of those, or reported no epoch.
     """
+
+    from benchmarks.bench_cluster import CpuMonitor
     from benchmarks.netns import Cluster
 
     run = RUNS[name]
     records: list[dict[str, Any]] = []
     with Cluster(args.workers, rate) as cluster:
         lead = (run_ddp if "ddp" in run else run_ps)(cluster, args, run)
+        started_sent = host_sent_bytes(cluster)
+        job = [process.pid for host in cluster.hosts for process in host.processes]
         deadline = time.monotonic() + args.timeout
         output = []
         wall = 0.0
         arrived = timed_out = False
-        for line in lead.stdout:
-            output.append(line)
-            epoch = epoch_record(line)
-            if epoch is not None:
-                wall += epoch["seconds"]
-                records.append({"bench": "time_to_accuracy", "run": name, **_spec(run),
-                                "rate_mbit": rate, "pushed_bytes": epoch.get("pushed_bytes_total"),
-                                "epoch": epoch["epoch"], "accuracy": epoch["accuracy"],
-                                "seconds": round(epoch["seconds"], 3), "wall": round(wall, 3),
-                                **({"pulled_bytes": epoch["pulled_bytes"]}
-                                   if "pulled_bytes" in epoch else {})})  # fmt: skip
-                arrived = epoch["accuracy"] >= args.target and not args.no_stop
-                if arrived:
-                    break  # the rest of the run would not change its time
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
+        with CpuMonitor(job) as cpu:
+            epoch_began = time.time()
+            for line in lead.stdout:
+                output.append(line)
+                epoch = epoch_record(line)
+                if epoch is not None:
+                    wall += epoch["seconds"]
+                    sent = [now - then for now, then in
+                            zip(host_sent_bytes(cluster), started_sent, strict=True)]  # fmt: skip
+                    records.append({"bench": "time_to_accuracy", "run": name, **_spec(run),
+                                    "rate_mbit": rate,
+                                    "pushed_bytes": epoch.get("pushed_bytes_total"),
+                                    "sent_bytes_per_host": round(sum(sent) / len(sent)),
+                                    "epoch": epoch["epoch"], "accuracy": epoch["accuracy"],
+                                    "seconds": round(epoch["seconds"], 3), "wall": round(wall, 3),
+                                    **cpu.usage(epoch_began, time.time()),
+                                    **({"pulled_bytes": epoch["pulled_bytes"]}
+                                       if "pulled_bytes" in epoch else {})})  # fmt: skip
+                    epoch_began = time.time()
+                    arrived = epoch["accuracy"] >= args.target and not args.no_stop
+                    if arrived:
+                        break  # the rest of the run would not change its time
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
         cluster.stop_processes()
         if not records or not (arrived or timed_out or len(records) == args.epochs):
             raise RuntimeError(f"{name}: the workers stopped after {len(records)} of "
@@ -211,9 +248,22 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
     return records
 
 
+def host_sent_bytes(cluster: Any) -> list[int]:
+    """What each host has sent through its link so far: the receive counter of the bridge's
+    end of the link (in this namespace, so no process inside the hosts is asked)."""
+    counters = (Path("/sys/class/net") / cluster.bridge_port(host) / "statistics" / "rx_bytes"
+                for host in range(cluster.num_hosts))  # fmt: skip
+    return [int(counter.read_text()) for counter in counters]
+
+
 def _spec(run: dict[str, Any]) -> dict[str, Any]:
     if "ddp" in run:
-        return {"system": "ddp", "powersgd_rank": run["ddp"]}
+        spec = {"system": "ddp", "powersgd_rank": run["ddp"]}
+        if run.get("compress", "none") != "none":
+            spec["compress"] = run["compress"]
+        if run.get("warmup_epochs"):
+            spec["powersgd_warmup_epochs"] = run["warmup_epochs"]
+        return spec
     spec = {"system": "kvstore", "push": run["push"], "pull": run["pull"]}
     return {**spec, "diloco": " ".join(run["diloco"])} if "diloco" in run else spec
 
@@ -223,27 +273,38 @@ def time_to(records: list[dict[str, Any]], target: float) -> float | None:
     return next((r["wall"] for r in records if r["accuracy"] >= target), None)
 
 
+Runs = dict[tuple[str, float], list[dict[str, Any]]]
+"""Each run's epoch records, by run name and link rate (Mbit/s)."""
+
+
 def summaries(
-    by_run: dict[str, list[dict[str, Any]]],
+    by_run: Runs,
     target: float,
     floors: dict[str, list[dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One line per run: seconds to ``target``, epochs, bytes worker 0 pushed; with its run on
-    links that cost nothing (``floors``), its compute floor (seconds per epoch there times the
-    epochs needed here) and the ratio to it."""
+    """One line per run and rate: seconds to ``target``, epochs, bytes worker 0 pushed and its
+    host sent, the busiest CPU share of its epochs; with its run on links that cost nothing
+    (``floors``), its compute floor (seconds per epoch there times the epochs needed here) and
+    the ratio to it."""
     lines = []
-    for name, records in by_run.items():
+    for (name, rate), records in by_run.items():
         seconds = time_to(records, target)
         reached = next((r for r in records if r["accuracy"] >= target), None)
         line = {
             "bench": "time_to_accuracy",
             "run": name,
+            "rate_mbit": rate,
+            "system": records[0].get("system") if records else None,
             "target": target,
             "seconds_to_target": seconds,
             "final_accuracy": records[-1]["accuracy"] if records else None,
             "epochs": len(records),
             "epochs_to_target": None if reached is None else reached["epoch"],
             "pushed_bytes_to_target": None if reached is None else reached.get("pushed_bytes"),
+            "sent_bytes_per_host_to_target": (
+                None if reached is None else reached.get("sent_bytes_per_host")
+            ),
+            "cpu_busy_max": max((r["cpu_busy"] for r in records if "cpu_busy" in r), default=None),
         }  # fmt: skip
         floor_epochs = (floors or {}).get(name, [])
         if floor_epochs and reached is not None:
@@ -258,43 +319,60 @@ def summaries(
 
 
 def write_table(path: Path, summary: list[dict[str, Any]], target: float) -> None:
-    times = {s["run"]: s["seconds_to_target"] for s in summary}
-
-    def ratio(base: str, t: float | None) -> str:
-        b = times.get(base)
-        return f"{b / t:.2f}x" if b and t else "-"
-
-    header = (f"| run | epochs | seconds to {target:.0%} | final accuracy | dense PS / run "
-              "| DDP fp32 / run | PowerSGD / run | over floor |")  # fmt: skip
-    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    """One row per run and rate; the ratios compare runs at the same rate (above 1: the run
+    reached the target sooner than the one named). "Best peer" is the fastest run of another
+    system (DDP, hivemind, torchft) at that rate."""
+    times = {(s["run"], s["rate_mbit"]): s["seconds_to_target"] for s in summary}
+    best_peer = {}
     for s in summary:
-        t = s["seconds_to_target"]
+        if s["system"] != "kvstore" and s["seconds_to_target"] is not None:
+            best = best_peer.get(s["rate_mbit"])
+            if best is None or s["seconds_to_target"] < best[1]:
+                best_peer[s["rate_mbit"]] = (s["run"], s["seconds_to_target"])
+
+    def ratio(base: float | None, t: float | None) -> str:
+        return f"{base / t:.2f}x" if base and t else "-"
+
+    header = (f"| Mbit/s | run | epochs | seconds to {target:.0%} | final accuracy "
+              "| MB sent per host | CPU busy (max) | dense PS / run | DDP fp32 / run "
+              "| best peer / run | over floor |")  # fmt: skip
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        t, rate = s["seconds_to_target"], s["rate_mbit"]
         shown = f"{t:.1f}" if t is not None else "not reached"
         floor = f"{s['over_floor']:.2f}x" if s.get("over_floor") else "-"
-        lines.append(f"| {s['run']} | {s['epochs_to_target'] or '-'} | {shown} | "
-                     f"{s['final_accuracy']:.2%} | {ratio('ps-dense', t)} | "
-                     f"{ratio('ddp-fp32', t)} | {ratio('ddp-powersgd', t)} "
+        sent = s.get("sent_bytes_per_host_to_target")
+        sent_mb = f"{sent / 1e6:.1f}" if sent is not None else "-"
+        cpu = f"{s['cpu_busy_max']:.2f}" if s.get("cpu_busy_max") is not None else "-"
+        peer = best_peer.get(rate)
+        peer_ratio = f"{ratio(peer[1], t)} ({peer[0]})" if peer else "-"
+        lines.append(f"| {rate:g} | {s['run']} | {s['epochs_to_target'] or '-'} | {shown} | "
+                     f"{s['final_accuracy']:.2%} | {sent_mb} | {cpu} | "
+                     f"{ratio(times.get(('ps-dense', rate)), t)} | "
+                     f"{ratio(times.get(('ddp-fp32', rate)), t)} | {peer_ratio} "
                      f"| {floor} |")  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
 
 
-def plot(path: Path, by_run: dict[str, list[dict[str, Any]]], target: float, title: str) -> None:
+def plot(path: Path, by_run: Runs, target: float, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rates = {rate for _, rate in by_run}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, records in by_run.items():
+    for (name, rate), records in by_run.items():
+        label = name if len(rates) == 1 else f"{name}, {rate:g} Mbit/s"
         ax.plot([r["wall"] for r in records], [r["accuracy"] for r in records], marker="o",
-                label=name)  # fmt: skip
+                label=label)  # fmt: skip
     ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.0%}")
     ax.set_xscale("log")  # runs 15x apart in speed stay readable side by side
     ax.set_xlabel("wall seconds, log scale (training and worker 0's evaluation)")
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0.8, 1.0)
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -306,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int)
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--rate", type=float, help="Mbit/s of every host's link")
+    parser.add_argument(
+        "--rates", type=float, nargs="+", help="train every run at each of these rates (Mbit/s)"
+    )
     parser.add_argument("--model", choices=["mlp", "cnn"])
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
@@ -337,17 +418,19 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, preset[name])
     if args.floor is None:
         args.floor = preset.get("floor", [])
-    by_run: dict[str, list[dict[str, Any]]] = {}
+    rates = args.rates or [args.rate]
+    by_run: Runs = {}
     floors: dict[str, list[dict[str, Any]]] = {}
     if args.source is not None:
         for line in args.source.read_text().splitlines():
             record = json.loads(line)
-            if "epoch" in record:
-                runs = floors if record.get("rate_mbit") == 0 else by_run
-                runs.setdefault(record["run"], []).append(record)
+            if "epoch" in record and record.get("rate_mbit") == 0:
+                floors.setdefault(record["run"], []).append(record)
+            elif "epoch" in record:
+                by_run.setdefault((record["run"], record["rate_mbit"]), []).append(record)
             elif "preset" in record:  # the setting the plot's title names
                 args.workers = record.get("workers", args.workers)
-                args.rate = record.get("rate_mbit", args.rate)
+                rates = record.get("rates_mbit", [record.get("rate_mbit", args.rate)])
                 args.model = record.get("model", args.model)
     else:
         from benchmarks.netns import available
@@ -358,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: namespaces go
         started = time.time()
-        planned = [(name, args.rate) for name in args.runs]
+        planned = [(name, rate) for rate in rates for name in args.runs]
         planned += [(name, 0.0) for name in args.floor]
         for name, rate in planned:
             try:
@@ -368,12 +451,16 @@ def main(argv: list[str] | None = None) -> int:
                                 "error": str(exc)[-1500:]})  # fmt: skip
                 append_jsonl(args.out, failed)
                 continue
-            (floors if rate == 0 else by_run)[name] = records
+            if rate == 0:
+                floors[name] = records
+            else:
+                by_run[name, rate] = records
             for record in records:
                 emit(record)
                 append_jsonl(args.out, record)
         setting = {"bench": "time_to_accuracy", "preset": args.preset, "machine": machine(),
-                   "model": args.model, "workers": args.workers, "rate_mbit": args.rate,
+                   "model": args.model, "workers": args.workers, "rate_mbit": rates[0],
+                   "rates_mbit": rates,
                    "wall_seconds": round(time.time() - started, 1)}  # fmt: skip
         emit(setting)
         append_jsonl(args.out, setting)
@@ -383,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.table is not None:
         write_table(args.table, summary, args.target)
     if args.plot is not None and by_run:
-        title = f"MNIST {args.model.upper()}, {args.workers} workers, {args.rate:g} Mbit/s links"
+        shown = ", ".join(f"{rate:g}" for rate in rates)
+        title = f"MNIST {args.model.upper()}, {args.workers} workers, {shown} Mbit/s links"
         plot(args.plot, by_run, args.target, title)
     return 0
 

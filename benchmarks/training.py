@@ -100,13 +100,22 @@ def example_command(
 
 
 def ddp_command(
-    training: Training, *, master: str, rank: int, num_workers: int, powersgd: int
+    training: Training,
+    *,
+    master: str,
+    rank: int,
+    num_workers: int,
+    powersgd: int,
+    powersgd_start: int = 2,
+    compress: str = "none",
 ) -> list[str]:
     """One DDP worker (:mod:`benchmarks.ddp_mnist`; start it with ``cwd=REPO``): rank ``rank``
     of ``num_workers``, meeting at ``master`` (``HOST:PORT``), allreducing fp32 gradients
-    (``powersgd`` 0) or through torch's PowerSGD hook of that rank."""
+    (``powersgd`` 0, ``compress`` ``"none"``), fp16 ones (``compress`` ``"fp16"``) or through
+    torch's PowerSGD hook of rank ``powersgd`` after ``powersgd_start`` steps of fp32."""
     return module_command("ddp_mnist", "--master", master, "--rank", str(rank),
                           "--num-workers", str(num_workers), "--powersgd", str(powersgd),
+                          "--powersgd-start", str(powersgd_start), "--compress", compress,
                           *training.flags())  # fmt: skip
 
 
