@@ -1,0 +1,129 @@
+"""The torchft peer worker (:mod:`benchmarks.torchft_mnist`): its address helpers, the model it
+evaluates, and two workers training on loopback (skipped where torchft is not installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.common import REPO
+from benchmarks.torchft_mnist import interface_of, lighthouse_url, parse_args, split_address
+
+needs_torchft = pytest.mark.skipif(
+    importlib.util.find_spec("torchft") is None, reason="torchft (the bench extra) not installed"
+)
+
+
+def test_split_address_reads_host_and_port() -> None:
+    assert split_address("10.77.0.1:29510") == ("10.77.0.1", 29510)
+    assert split_address("[::1]:29510") == ("::1", 29510)
+
+
+@pytest.mark.parametrize("address", ["10.77.0.1", "10.77.0.1:", ":29510", "host:port"])
+def test_split_address_refuses_what_is_no_host_and_port(address: str) -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        split_address(address)
+
+
+def test_lighthouse_url_brackets_ipv6_hosts() -> None:
+    assert lighthouse_url("10.77.0.1:29510") == "http://10.77.0.1:29510"
+    assert lighthouse_url("[::1]:29510") == "http://[::1]:29510"
+
+
+def test_interface_of_finds_loopback_and_nothing_else() -> None:
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface
+    assert interface_of("not an address") is None
+
+
+def test_parse_args_keeps_the_lighthouse_on_rank_0() -> None:
+    common = ["--num-workers", "2", "--host", "127.0.0.1", "--lighthouse", "127.0.0.1:1"]
+    args = parse_args(["--rank", "0", *common, "--start-lighthouse"])
+    assert args.start_lighthouse and args.mode == "diloco"
+    assert (args.outer_lr, args.outer_momentum) == (0.7, 0.9)
+    with pytest.raises(SystemExit):
+        parse_args(["--rank", "1", *common, "--start-lighthouse"])
+    with pytest.raises(SystemExit):
+        parse_args(["--rank", "0", *common, "--sync-every", "0"])
+
+
+def test_synced_model_takes_the_weights_only_after_a_sync() -> None:
+    torch = pytest.importorskip("torch")
+    from benchmarks.torchft_mnist import SyncedModel
+
+    model = torch.nn.Linear(3, 2)
+    syncs = [0]
+    synced = SyncedModel(model, lambda: syncs[0])
+    evaluated = synced.model.get_parameter("weight")
+    start = evaluated.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # a local step
+    assert not synced.refresh()
+    assert torch.equal(evaluated, start)
+    syncs[0] = 1  # the manager committed a sync: the model holds the global weights
+    assert synced.refresh()
+    assert torch.equal(evaluated, model.weight)
+    assert evaluated.data_ptr() != model.weight.data_ptr()
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@needs_torchft
+@pytest.mark.parametrize("mode", ["diloco", "localsgd"])
+def test_two_workers_train_an_epoch_on_loopback_and_exit(mode: str) -> None:
+    lighthouse, *ports = _free_ports(5)
+    common = ["--num-workers", "2", "--host", "127.0.0.1", "--lighthouse",
+              f"127.0.0.1:{lighthouse}", "--mode", mode, "--sync-every", "8",
+              "--model", "mlp", "--epochs", "1"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.torchft_mnist",
+                "--rank",
+                str(rank),
+                *common,
+                "--store-port",
+                str(ports[2 * rank]),
+                "--manager-port",
+                str(ports[2 * rank + 1]),
+                *(["--start-lighthouse"] if rank == 0 else []),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    try:
+        outputs = [worker.communicate(timeout=300) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    for worker, (_, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+    lines = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    assert [line["epoch"] for line in lines] == [1]
+    assert lines[0]["accuracy"] > 0.3  # trained past chance (0.1) on the synced weights
+    assert not outputs[1][0].strip()  # only worker 0 reports
