@@ -1,0 +1,99 @@
+"""The hivemind MNIST worker's helpers: the peer file by which workers find rank 0, its listen
+address, its choice of parameter averaging period and of hivemind's compression."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from benchmarks.hivemind_mnist import (
+    COMPRESSIONS,
+    compression_named,
+    listen_maddr,
+    parse_args,
+    read_peer_file,
+    state_averaging_period,
+    write_peer_file,
+)
+
+MADDRS = [
+    "/ip4/10.0.0.1/tcp/4100/p2p/12D3KooWPkhEpwjgLKv3ybpuAozhTj1aHWtEwgajW3fkaR5iymBV",
+    "/ip4/10.0.0.1/tcp/4100/p2p/12D3KooWQmq3dqYJ2oSykCxJ8wVJrKuoAf9FAaR7vqZP3b7qjCv4",
+]
+
+
+def worker_args(*extra: str) -> list[str]:
+    return ["--rank", "1", "--num-workers", "4", "--peer-file", "peers", *extra]
+
+
+def test_listen_maddr_is_tcp_on_the_given_address() -> None:
+    assert listen_maddr("10.0.0.2", 4100) == "/ip4/10.0.0.2/tcp/4100"
+    assert listen_maddr("127.0.0.1", 0) == "/ip4/127.0.0.1/tcp/0"
+
+
+def test_peer_file_round_trips_every_maddr(tmp_path: Path) -> None:
+    path = tmp_path / "peers"
+    write_peer_file(path, MADDRS)
+    assert read_peer_file(path, timeout=0) == MADDRS
+    assert [entry.name for entry in tmp_path.iterdir()] == ["peers"]  # no partial file left
+
+
+def test_peer_file_replaces_a_stale_one(tmp_path: Path) -> None:
+    path = tmp_path / "peers"
+    write_peer_file(path, MADDRS)
+    write_peer_file(path, MADDRS[1:])
+    assert read_peer_file(path, timeout=0) == MADDRS[1:]
+
+
+def test_reader_waits_for_the_file_to_appear(tmp_path: Path) -> None:
+    path = tmp_path / "peers"
+    writer = threading.Timer(0.2, write_peer_file, args=(path, MADDRS))
+    writer.start()
+    try:
+        assert read_peer_file(path, timeout=60, poll=0.01) == MADDRS
+    finally:
+        writer.join()
+
+
+def test_reader_gives_up_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "peers"
+    with pytest.raises(TimeoutError, match="start rank 0 first") as raised:
+        read_peer_file(path, timeout=0.05, poll=0.01)
+    assert str(path) in str(raised.value)
+
+
+def test_an_empty_peer_file_is_not_an_answer(tmp_path: Path) -> None:
+    path = tmp_path / "peers"
+    path.write_text("\n")
+    with pytest.raises(TimeoutError):
+        read_peer_file(path, timeout=0.05, poll=0.01)
+
+
+def test_parameters_are_averaged_every_round_with_local_updates() -> None:
+    assert state_averaging_period(parse_args(worker_args("--local-updates"))) == 1
+    assert state_averaging_period(parse_args(worker_args())) == 10
+    chosen = parse_args(worker_args("--local-updates", "--average-state-every", "4"))
+    assert state_averaging_period(chosen) == 4
+
+
+def test_options_mirror_the_ddp_worker() -> None:
+    args = parse_args(worker_args("--model", "mlp", "--lr", "0.1", "--wd", "0"))
+    assert (args.rank, args.num_workers, args.model, args.lr, args.wd) == (1, 4, "mlp", 0.1, 0.0)
+    assert (args.batch_size, args.momentum, args.seed, args.epochs) == (32, 0.9, 0, 8)
+    assert args.compression == "none" and not args.local_updates
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("none", "NoCompression"),
+        ("fp16", "Float16Compression"),
+        ("uint8", "Uniform8BitQuantization"),
+    ],
+)
+def test_compression_names_are_hivemind_s(name: str, kind: str) -> None:
+    pytest.importorskip("hivemind")
+    assert name in COMPRESSIONS
+    assert type(compression_named(name)).__name__ == kind
