@@ -33,7 +33,15 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
 * ``diloco-topk``: top-k 10% pseudo-gradients (error feedback) and bf16 pulls, the outer step
   a plain average (outer SGD, learning rate 1, no momentum: error feedback in its place);
 * ``diloco-topk-2bit``: ``topk2bit`` 10% both ways (top-k, the kept values in 2 bits), the
-  outer step a plain average.
+  outer step a plain average;
+* ``torchft-diloco``: torchft's DiLoCo (:mod:`benchmarks.torchft_mnist`) at the same H and
+  outer Nesterov SGD as ``diloco``, on gloo, with its lighthouse on worker 0's host; it reports
+  the last synced model's accuracy;
+* ``torchft-localsgd``: torchft's LocalSGD (the workers' models averaged every H = 31 steps).
+
+Peers run in the harness's interpreter: a run whose peer is not installed there (``pip install
+'pskv[bench]'``) is skipped with a line saying so. The smoke preset runs no peer; it says for
+each whether it is installed.
 
 DiLoCo runs report the accuracy of the outer weights (the model the job agrees on).
 
@@ -58,6 +66,7 @@ with the seconds to ``--target`` (null when the run never got there); ``--table`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -67,7 +76,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import append_jsonl, emit, machine, server_addresses
+from benchmarks.common import append_jsonl, emit, machine, module_command, server_addresses
 from benchmarks.training import (
     Training,
     ddp_command,
@@ -97,11 +106,17 @@ RUNS: dict[str, dict[str, Any]] = {
     "diloco-topk": {"push": "topk:ratio=0.1", "pull": "bf16", "diloco": DILOCO_AVERAGE},
     "diloco-topk-2bit": {"push": "topk2bit:ratio=0.1", "pull": "topk2bit:ratio=0.1",
                          "diloco": DILOCO_AVERAGE},
+    "torchft-diloco": {"peer": "torchft", "mode": "diloco", "sync_every": 31,
+                       "outer_lr": 0.7, "outer_momentum": 0.9},
+    "torchft-localsgd": {"peer": "torchft", "mode": "localsgd", "sync_every": 31},
 }  # fmt: skip
+
+PEER_MODULES = {"torchft": "torchft_mnist"}
+"""Each peer's worker, ``benchmarks.<module>``; the peer itself comes with the ``bench`` extra."""
 
 PRESETS = {
     "smoke": {"runs": ["ps-2bit", "ddp-fp32", "diloco"], "floor": ["diloco"], "epochs": 1,
-              "rate": 1000.0, "workers": 2, "model": "mlp"},
+              "rate": 1000.0, "workers": 2, "model": "mlp", "peers": "report"},
     "full": {"runs": list(RUNS), "epochs": 24, "rate": 100.0, "workers": 4, "model": "cnn"},
     "slow": {"runs": ["ddp-powersgd", "ps-topk", "ps-2bit", "diloco-topk", "diloco-topk-2bit"],
              "epochs": 24, "rate": 10.0, "workers": 4, "model": "cnn"},
@@ -192,6 +207,58 @@ def run_ddp(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subp
     return workers[0]
 
 
+def peer_missing(name: str) -> str | None:
+    """Why run ``name``'s peer cannot run in this interpreter (None: it can, or it is no peer's)."""
+    peer = RUNS[name].get("peer")
+    if peer is None or importlib.util.find_spec(peer) is not None:
+        return None
+    return f"{peer} is not installed in {sys.executable} (pip install 'pskv[bench]')"
+
+
+def peer_command(
+    cluster: Any, args: argparse.Namespace, run: dict[str, Any], rank: int
+) -> list[str]:
+    """Rank ``rank``'s worker of a peer's run."""
+    address = cluster.hosts[rank].address
+    if run["peer"] == "torchft":
+        lighthouse = f"{cluster.hosts[0].address}:29510"
+        outer = ["--outer-lr", str(run["outer_lr"]), "--outer-momentum",
+                 str(run["outer_momentum"])] if run["mode"] == "diloco" else []  # fmt: skip
+        return module_command(
+            PEER_MODULES["torchft"], "--rank", str(rank), "--num-workers", str(args.workers),
+            "--host", address, "--lighthouse", lighthouse,
+            *(["--start-lighthouse"] if rank == 0 else []),
+            "--mode", run["mode"], "--sync-every", str(run["sync_every"]), *outer,
+            *_training(args).flags(),
+        )  # fmt: skip
+    raise ValueError(f"no worker command for the peer {run['peer']!r}")
+
+
+def run_peer(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
+    """Start a peer's workers, one per host; worker 0's process."""
+    workers = []
+    for rank in range(args.workers):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
+        workers.append(
+            cluster.popen(
+                rank,
+                peer_command(cluster, args, run, rank),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+        )
+    return workers[0]
+
+
+def start_run(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
+    """Start any run's processes; worker 0's."""
+    if "peer" in run:
+        return run_peer(cluster, args, run)
+    return (run_ddp if "ddp" in run else run_ps)(cluster, args, run)
+
+
 def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, Any]]:
     """Train run ``name`` on a fresh cluster with links of ``rate`` Mbit/s (0: not shaped)
     until worker 0 reports the target accuracy (unless ``args.no_stop``), ``args.epochs``
@@ -208,7 +275,7 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
     run = RUNS[name]
     records: list[dict[str, Any]] = []
     with Cluster(args.workers, rate) as cluster:
-        lead = (run_ddp if "ddp" in run else run_ps)(cluster, args, run)
+        lead = start_run(cluster, args, run)
         started_sent = host_sent_bytes(cluster)
         job = [process.pid for host in cluster.hosts for process in host.processes]
         deadline = time.monotonic() + args.timeout
@@ -257,6 +324,8 @@ def host_sent_bytes(cluster: Any) -> list[int]:
 
 
 def _spec(run: dict[str, Any]) -> dict[str, Any]:
+    if "peer" in run:
+        return {"system": run["peer"], **{k: v for k, v in run.items() if k != "peer"}}
     if "ddp" in run:
         spec = {"system": "ddp", "powersgd_rank": run["ddp"]}
         if run.get("compress", "none") != "none":
@@ -441,6 +510,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: namespaces go
         started = time.time()
+        for name in sorted({*args.runs, *args.floor}):
+            why = peer_missing(name)
+            if why is not None:
+                emit(skipped := {"bench": "time_to_accuracy", "run": name, "skipped": why})
+                append_jsonl(args.out, skipped)
+        if preset.get("peers") == "report":  # the smoke preset runs none: it says which could
+            for name in (n for n in RUNS if "peer" in RUNS[n] and n not in args.runs):
+                why = peer_missing(name) or "installed; the smoke preset runs no peer"
+                emit({"bench": "time_to_accuracy", "run": name, "skipped": why})
+        args.runs = [name for name in args.runs if peer_missing(name) is None]
+        args.floor = [name for name in args.floor if peer_missing(name) is None]
         planned = [(name, rate) for rate in rates for name in args.runs]
         planned += [(name, 0.0) for name in args.floor]
         for name, rate in planned:

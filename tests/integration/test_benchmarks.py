@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from kvtest import REPO
 
+from benchmarks import time_to_accuracy
 from benchmarks.bench_cluster import (
     MAX_WARMUP_STEPS,
     CpuMonitor,
@@ -455,9 +456,15 @@ def test_time_to_accuracy_smoke_or_reports_why_not(tmp_path):
     records = run(
         "time_to_accuracy", "--out", str(out), "--table", str(tmp_path / "t.md"), "--target", "0.5"
     )
-    if "skipped" in records[0]:  # no root or no iproute2 here: the harness says why
+    if "skipped" in records[0] and "run" not in records[0]:  # no root or no iproute2 here
         assert records[0]["skipped"]
         return
+    # The smoke preset runs no peer: it says for each peer's run whether it could run here.
+    peers = [r for r in records if "skipped" in r]
+    assert sorted(r["run"] for r in peers) == sorted(
+        name for name, run in time_to_accuracy.RUNS.items() if "peer" in run
+    )
+    assert all(r["skipped"] for r in peers)
     epochs = [r for r in records if "epoch" in r]
     # one epoch each, then DiLoCo's again on links that cost nothing (its compute floor)
     assert [r["run"] for r in epochs] == ["ps-2bit", "ddp-fp32", "diloco", "diloco"]
