@@ -47,6 +47,7 @@ writes its multiaddrs (with its peer id) to ``--peer-file``; the other ranks wai
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -209,10 +210,20 @@ def make_optimizer(
     """hivemind's optimizer over torch's SGD, synchronous (or with local updates) as set in the
     module's docstring."""
     import hivemind
+    from hivemind.optim.grad_averager import GradientAverager
 
     compression = compression_named(args.compression)
-    # a join request must give up before the matchmaking does (hivemind's averager says so)
-    request_timeout = min(3.0, args.matchmaking_time / 2)
+    # a group is complete with every worker in it (no waiting out the matchmaking time), and a
+    # join request gives up before the matchmaking does (hivemind's averager says so); the
+    # optimizer hands averager_opts to its state averager only, so the gradient averager gets
+    # them through its factory
+    group = {
+        "target_group_size": args.num_workers,
+        "request_timeout": min(3.0, args.matchmaking_time / 2),
+    }
+    gradient_averager = None
+    if not args.local_updates:
+        gradient_averager = functools.partial(GradientAverager, **group)
     return hivemind.Optimizer(
         dht=dht,
         run_id=args.run_id,
@@ -228,7 +239,8 @@ def make_optimizer(
         averaging_timeout=args.averaging_timeout,
         grad_compression=compression,
         state_averaging_compression=compression,
-        averager_opts={"target_group_size": args.num_workers, "request_timeout": request_timeout},
+        grad_averager_factory=gradient_averager,
+        averager_opts=group,
         tracker_opts={"min_refresh_period": args.refresh_period},
     )
 
@@ -246,8 +258,8 @@ def state_averaging_period(args: argparse.Namespace) -> int:
 
 def announce_batch(opt: hivemind.Optimizer, batch_size: int, timeout: float) -> int:
     """Publish this worker's batch toward the current round, then wait (at most ``timeout``
-    seconds) until hivemind's progress tracker sees the round due; the ``batch_size`` to pass to
-    ``opt.step`` so that the batch is counted once.
+    seconds) until hivemind's progress tracker sees every batch of the round; the
+    ``batch_size`` to pass to ``opt.step`` so that the batch is counted once.
 
     The announcement is what ``opt.step`` would report itself; reporting it first lets every
     worker see the others' batches before it decides whether the round is due.
@@ -255,7 +267,15 @@ def announce_batch(opt: hivemind.Optimizer, batch_size: int, timeout: float) -> 
     tracker = opt.tracker
     tracker.report_local_progress(opt.local_epoch, batch_size)
     deadline = time.monotonic() + timeout
-    while not tracker.ready_to_update_epoch and time.monotonic() < deadline:
+    # the round's samples seen, or a peer already past it; not hivemind's estimate of when they
+    # should have arrived, which would let a worker start a round before the others' batches
+    while time.monotonic() < deadline:
+        progress = tracker.global_progress
+        if (
+            progress.epoch > opt.local_epoch
+            or progress.samples_accumulated >= tracker.target_batch_size
+        ):
+            break
         time.sleep(0.002)
     # with gradient averaging, step accumulates the gradients weighted by its batch size and
     # reports its accumulated samples (this batch: no change); with local updates it reports the

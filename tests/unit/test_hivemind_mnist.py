@@ -4,12 +4,14 @@ address, its choice of parameter averaging period and of hivemind's compression.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from benchmarks.hivemind_mnist import (
     COMPRESSIONS,
+    announce_batch,
     compression_named,
     listen_maddr,
     parse_args,
@@ -22,6 +24,41 @@ MADDRS = [
     "/ip4/10.0.0.1/tcp/4100/p2p/12D3KooWPkhEpwjgLKv3ybpuAozhTj1aHWtEwgajW3fkaR5iymBV",
     "/ip4/10.0.0.1/tcp/4100/p2p/12D3KooWQmq3dqYJ2oSykCxJ8wVJrKuoAf9FAaR7vqZP3b7qjCv4",
 ]
+
+
+@dataclass
+class Progress:
+    """What hivemind's progress tracker knows of the swarm's round."""
+
+    epoch: int
+    samples_accumulated: int
+
+
+@dataclass
+class Tracker:
+    """hivemind's progress tracker, as far as announce_batch uses it."""
+
+    target_batch_size: int
+    global_progress: Progress
+    reports: list[tuple[int, int]] = field(default_factory=list)
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
+        self.reports.append((local_epoch, samples_accumulated))
+        self.global_progress.samples_accumulated += samples_accumulated
+
+
+@dataclass
+class Optimizer:
+    """hivemind's optimizer, as far as announce_batch uses it."""
+
+    tracker: Tracker
+    use_local_updates: bool = False
+    local_epoch: int = 3
+
+
+def optimizer(workers: int, *, local_updates: bool = False) -> Optimizer:
+    tracker = Tracker(target_batch_size=workers * 32, global_progress=Progress(3, 0))
+    return Optimizer(tracker, use_local_updates=local_updates)
 
 
 def worker_args(*extra: str) -> list[str]:
@@ -97,3 +134,39 @@ def test_compression_names_are_hivemind_s(name: str, kind: str) -> None:
     pytest.importorskip("hivemind")
     assert name in COMPRESSIONS
     assert type(compression_named(name)).__name__ == kind
+
+
+def test_a_batch_is_announced_for_the_current_round_and_counted_once() -> None:
+    alone = optimizer(1)
+    assert announce_batch(alone, 32, timeout=60) == 32  # step accumulates it: reports no more
+    assert alone.tracker.reports == [(3, 32)]
+    local = optimizer(1, local_updates=True)
+    assert announce_batch(local, 32, timeout=60) == 0  # step adds its batch size to the report
+
+
+def test_announcing_waits_for_the_other_workers_batches() -> None:
+    opt = optimizer(2)
+    progress = opt.tracker.global_progress
+
+    def other_worker_reports() -> None:
+        progress.samples_accumulated += 32
+
+    other = threading.Timer(0.2, other_worker_reports)
+    other.start()
+    try:
+        announce_batch(opt, 32, timeout=60)
+        assert progress.samples_accumulated == 64  # it returned only once the round was whole
+    finally:
+        other.join()
+
+
+def test_announcing_stops_waiting_once_a_peer_is_past_the_round() -> None:
+    opt = optimizer(4)
+    opt.tracker.global_progress.epoch = 4
+    assert announce_batch(opt, 32, timeout=60) == 32
+
+
+def test_announcing_gives_up_after_its_timeout() -> None:
+    opt = optimizer(2)
+    assert announce_batch(opt, 32, timeout=0.05) == 32
+    assert opt.tracker.global_progress.samples_accumulated == 32
