@@ -37,7 +37,12 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
 * ``torchft-diloco``: torchft's DiLoCo (:mod:`benchmarks.torchft_mnist`) at the same H and
   outer Nesterov SGD as ``diloco``, on gloo, with its lighthouse on worker 0's host; it reports
   the last synced model's accuracy;
-* ``torchft-localsgd``: torchft's LocalSGD (the workers' models averaged every H = 31 steps).
+* ``torchft-localsgd``: torchft's LocalSGD (the workers' models averaged every H = 31 steps);
+* ``hivemind-fp16``, ``hivemind-uint8``: ``hivemind.Optimizer`` (:mod:`benchmarks.hivemind_mnist`)
+  averaging every step's gradients, compressed by its ``Float16Compression`` or
+  ``Uniform8BitQuantization``, one round per step of every worker, as DDP;
+* ``hivemind-local-fp16``: its local updates (``use_local_updates``): every worker steps on its
+  own gradients and the parameters are averaged (fp16) in the background every round.
 
 Peers run in the harness's interpreter: a run whose peer is not installed there (``pip install
 'pskv[bench]'``) is skipped with a line saying so. The smoke preset runs no peer; it says for
@@ -72,6 +77,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -109,9 +115,12 @@ RUNS: dict[str, dict[str, Any]] = {
     "torchft-diloco": {"peer": "torchft", "mode": "diloco", "sync_every": 31,
                        "outer_lr": 0.7, "outer_momentum": 0.9},
     "torchft-localsgd": {"peer": "torchft", "mode": "localsgd", "sync_every": 31},
+    "hivemind-fp16": {"peer": "hivemind", "compression": "fp16"},
+    "hivemind-uint8": {"peer": "hivemind", "compression": "uint8"},
+    "hivemind-local-fp16": {"peer": "hivemind", "compression": "fp16", "local_updates": True},
 }  # fmt: skip
 
-PEER_MODULES = {"torchft": "torchft_mnist"}
+PEER_MODULES = {"torchft": "torchft_mnist", "hivemind": "hivemind_mnist"}
 """Each peer's worker, ``benchmarks.<module>``; the peer itself comes with the ``bench`` extra."""
 
 PRESETS = {
@@ -216,10 +225,19 @@ def peer_missing(name: str) -> str | None:
 
 
 def peer_command(
-    cluster: Any, args: argparse.Namespace, run: dict[str, Any], rank: int
+    cluster: Any, args: argparse.Namespace, run: dict[str, Any], rank: int, meeting: Path
 ) -> list[str]:
-    """Rank ``rank``'s worker of a peer's run."""
+    """Rank ``rank``'s worker of a peer's run; ``meeting``: a fresh file path the workers may
+    use to find each other (hivemind's rank 0 writes its addresses there)."""
     address = cluster.hosts[rank].address
+    if run["peer"] == "hivemind":
+        return module_command(
+            PEER_MODULES["hivemind"], "--rank", str(rank), "--num-workers", str(args.workers),
+            "--host", address, "--peer-file", str(meeting),
+            "--compression", run["compression"],
+            *(["--local-updates"] if run.get("local_updates") else []),
+            *_training(args).flags(),
+        )  # fmt: skip
     if run["peer"] == "torchft":
         lighthouse = f"{cluster.hosts[0].address}:29510"
         outer = ["--outer-lr", str(run["outer_lr"]), "--outer-momentum",
@@ -234,15 +252,19 @@ def peer_command(
     raise ValueError(f"no worker command for the peer {run['peer']!r}")
 
 
-def run_peer(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
-    """Start a peer's workers, one per host; worker 0's process."""
+def run_peer(
+    cluster: Any, args: argparse.Namespace, run: dict[str, Any], scratch: Path
+) -> subprocess.Popen:
+    """Start a peer's workers, one per host; worker 0's process. ``scratch``: a folder of
+    this run's, which every host sees."""
+    meeting = scratch / "rank0"
     workers = []
     for rank in range(args.workers):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
         workers.append(
             cluster.popen(
                 rank,
-                peer_command(cluster, args, run, rank),
+                peer_command(cluster, args, run, rank, meeting),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -252,10 +274,12 @@ def run_peer(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> sub
     return workers[0]
 
 
-def start_run(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
+def start_run(
+    cluster: Any, args: argparse.Namespace, run: dict[str, Any], scratch: Path
+) -> subprocess.Popen:
     """Start any run's processes; worker 0's."""
     if "peer" in run:
-        return run_peer(cluster, args, run)
+        return run_peer(cluster, args, run, scratch)
     return (run_ddp if "ddp" in run else run_ps)(cluster, args, run)
 
 
@@ -274,8 +298,11 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
 
     run = RUNS[name]
     records: list[dict[str, Any]] = []
-    with Cluster(args.workers, rate) as cluster:
-        lead = start_run(cluster, args, run)
+    with (
+        tempfile.TemporaryDirectory(prefix="tta-") as scratch,
+        Cluster(args.workers, rate) as cluster,
+    ):
+        lead = start_run(cluster, args, run, Path(scratch))
         started_sent = host_sent_bytes(cluster)
         job = [process.pid for host in cluster.hosts for process in host.processes]
         deadline = time.monotonic() + args.timeout
