@@ -352,18 +352,37 @@ class CpuMonitor:
 
     Args:
         pids: the job's processes (servers and workers; their threads are included).
+        descendants: also count every process they start (a peer's daemon, say), found anew
+            at every sample.
     """
 
-    def __init__(self, pids: Sequence[int] = ()) -> None:
+    def __init__(self, pids: Sequence[int] = (), *, descendants: bool = False) -> None:
         # (time, total jiffies, idle jiffies, stolen jiffies, the job's jiffies)
         self.samples: list[tuple[float, int, int, int, int]] = []
         self._pids = list(pids)
+        self._descendants = descendants
         self._job_ticks: dict[int, int] = {}  # last seen per process (kept once it exits)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _tree(self) -> list[int]:
+        """The job's processes and, with ``descendants``, all the processes they started."""
+        if not self._descendants:
+            return self._pids
+        found, todo = [], list(self._pids)
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        todo.extend(int(child) for child in f.read().split())
+            except OSError:  # exited meanwhile
+                continue
+        return found
+
     def _job(self) -> int:
-        for pid in self._pids:
+        for pid in self._tree():
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()

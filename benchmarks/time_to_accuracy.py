@@ -309,7 +309,7 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
         output = []
         wall = 0.0
         arrived = timed_out = False
-        with CpuMonitor(job) as cpu:
+        with CpuMonitor(job, descendants=True) as cpu:
             epoch_began = time.time()
             for line in lead.stdout:
                 output.append(line)

@@ -173,6 +173,34 @@ def _ticks(monitor, start: float, end: float) -> dict[str, int]:
     return {name: last[i] - first[i] for i, name in enumerate(names, start=1)}
 
 
+_PARENT = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                         stdin=subprocess.PIPE)
+print(child.pid, flush=True)
+sys.stdin.read()
+child.kill()
+child.wait()
+"""
+
+
+def test_cpu_monitor_counts_the_processes_a_job_starts_only_when_asked():
+    """A peer's daemon is a child of its worker: ``descendants`` charges it to the job."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        assert sorted(CpuMonitor([parent.pid], descendants=True)._tree()) == sorted(
+            [parent.pid, child]
+        )
+        assert CpuMonitor([parent.pid])._tree() == [parent.pid]
+    finally:
+        parent.stdin.close()  # the parent stops its child, then exits
+        parent.wait(timeout=60)
+        parent.stdout.close()
+
+
 def test_cluster_cpu_use_charges_the_job_with_its_own_processes_only():
     """Behaviour, not shares of the machine (those depend on whatever else runs): a process
     that spins for a known amount of CPU time is counted when it is in the job and not
