@@ -292,7 +292,6 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
     Raises:
         RuntimeError: the workers stopped before any of those, or reported no epoch.
     """
-
     from benchmarks.bench_cluster import CpuMonitor
     from benchmarks.netns import Cluster
 
