@@ -161,6 +161,28 @@ def compression_named(name: str) -> CompressionBase:
     return kinds[name]()
 
 
+def check_compression(compression: CompressionBase) -> None:
+    """Round-trip a tensor through ``compression``; RuntimeError naming the failure if it cannot
+    (hivemind's 8-bit codecs read their codebook size with a NumPy conversion that recent NumPy
+    refuses), since hivemind would otherwise log every failed round and go on with each worker's
+    local gradients, training without averaging."""
+    import numpy as np
+    from hivemind.compression import CompressionInfo
+
+    probe = torch.linspace(-1.0, 1.0, 4096)
+    try:
+        restored = compression.extract(
+            compression.compress(probe, CompressionInfo.from_tensor(probe))
+        )
+    except Exception as error:
+        raise RuntimeError(
+            f"hivemind's {type(compression).__name__} cannot decode what it encodes with NumPy "
+            f"{np.__version__} and torch {torch.__version__}: {error!r}"
+        ) from error
+    if restored.shape != probe.shape:
+        raise RuntimeError(f"hivemind's {type(compression).__name__} changed a tensor's shape")
+
+
 def start_dht(args: argparse.Namespace) -> hivemind.DHT:
     """This worker's DHT node: rank 0 starts the swarm and publishes its multiaddrs in the peer
     file; the others join it, retrying (a stale peer file, rank 0 not listening yet) until
@@ -290,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     data = example_module("mnist_data").load_data(args.rank, args.num_workers, torch.device("cpu"))
     model = example_module("mnist_models").make_model(args.model)
+    check_compression(compression_named(args.compression))
     dht = start_dht(args)
     opt = None
     try:

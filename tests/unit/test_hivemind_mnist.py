@@ -12,6 +12,7 @@ import pytest
 from benchmarks.hivemind_mnist import (
     COMPRESSIONS,
     announce_batch,
+    check_compression,
     compression_named,
     listen_maddr,
     parse_args,
@@ -170,3 +171,9 @@ def test_announcing_gives_up_after_its_timeout() -> None:
     opt = optimizer(2)
     assert announce_batch(opt, 32, timeout=0.05) == 32
     assert opt.tracker.global_progress.samples_accumulated == 32
+
+
+@pytest.mark.parametrize("name", ["none", "fp16"])
+def test_lossless_and_half_precision_codecs_pass_the_check(name: str) -> None:
+    pytest.importorskip("hivemind")
+    check_compression(compression_named(name))
