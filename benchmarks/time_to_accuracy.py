@@ -413,10 +413,23 @@ def summaries(
     return lines
 
 
-def write_table(path: Path, summary: list[dict[str, Any]], target: float) -> None:
+def last_words(error: str) -> str:
+    """The last line a failed run's worker 0 wrote (its error, when it names one), for a table
+    cell."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    return (lines[-1] if lines else "no output").replace("|", "/")
+
+
+def write_table(
+    path: Path,
+    summary: list[dict[str, Any]],
+    target: float,
+    failures: dict[tuple[str, float], str] | None = None,
+) -> None:
     """One row per run and rate; the ratios compare runs at the same rate (above 1: the run
     reached the target sooner than the one named). "Best peer" is the fastest run of another
-    system (DDP, hivemind, torchft) at that rate."""
+    system (DDP, hivemind, torchft) at that rate. A run that could not train keeps its row,
+    with the last line its worker 0 wrote (``failures``)."""
     times = {(s["run"], s["rate_mbit"]): s["seconds_to_target"] for s in summary}
     best_peer = {}
     for s in summary:
@@ -446,6 +459,9 @@ def write_table(path: Path, summary: list[dict[str, Any]], target: float) -> Non
                      f"{ratio(times.get(('ps-dense', rate)), t)} | "
                      f"{ratio(times.get(('ddp-fp32', rate)), t)} | {peer_ratio} "
                      f"| {floor} |")  # fmt: skip
+    for (name, rate), error in (failures or {}).items():
+        lines.append(f"| {rate:g} | {name} | did not train: {last_words(error)} "
+                     "| | | | | | | | |")  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -516,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = args.rates or [args.rate]
     by_run: Runs = {}
     floors: dict[str, list[dict[str, Any]]] = {}
+    failures: dict[tuple[str, float], str] = {}  # a run that stopped early: what it said
     if args.source is not None:
         for line in args.source.read_text().splitlines():
             record = json.loads(line)
@@ -523,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                 floors.setdefault(record["run"], []).append(record)
             elif "epoch" in record:
                 by_run.setdefault((record["run"], record["rate_mbit"]), []).append(record)
+            elif "error" in record and record.get("rate_mbit"):
+                failures[record["run"], record["rate_mbit"]] = record["error"]
             elif "preset" in record:  # the setting the plot's title names
                 args.workers = record.get("workers", args.workers)
                 rates = record.get("rates_mbit", [record.get("rate_mbit", args.rate)])
@@ -556,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
                 emit(failed := {"bench": "time_to_accuracy", "run": name, "rate_mbit": rate,
                                 "error": str(exc)[-1500:]})  # fmt: skip
                 append_jsonl(args.out, failed)
+                if rate:
+                    failures[name, rate] = failed["error"]
                 continue
             if rate == 0:
                 floors[name] = records
@@ -574,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary:
         emit(line)
     if args.table is not None:
-        write_table(args.table, summary, args.target)
+        write_table(args.table, summary, args.target, failures)
     if args.plot is not None and by_run:
         shown = ", ".join(f"{rate:g}" for rate in rates)
         title = f"MNIST {args.model.upper()}, {args.workers} workers, {shown} Mbit/s links"
