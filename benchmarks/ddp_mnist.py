@@ -27,7 +27,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.training import Training, example_module, steps_per_epoch, train_epochs
+from benchmarks.training import (
+    add_worker_arguments,
+    example_module,
+    start_worker,
+    steps_per_epoch,
+    train_epochs,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,13 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--master", required=True, help="HOST:PORT of rank 0's rendezvous")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--num-workers", type=int, required=True)
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="cnn")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--wd", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
+    add_worker_arguments(parser)
     parser.add_argument(
         "--powersgd", type=int, default=0, metavar="RANK", help="PowerSGD hook rank (0: none)"
     )
@@ -66,9 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    training = Training(args.model, args.epochs, args.lr, args.momentum, args.seed, args.batch_size)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
+    training = start_worker(args)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{args.master}",

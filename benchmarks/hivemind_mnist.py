@@ -58,7 +58,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from benchmarks.training import Training, example_module, steps_per_epoch, train_epochs
+from benchmarks.training import (
+    Training,
+    add_worker_arguments,
+    example_module,
+    start_worker,
+    steps_per_epoch,
+    train_epochs,
+)
 
 if TYPE_CHECKING:  # hivemind is an optional benchmark peer, imported where a worker runs
     import hivemind
@@ -82,13 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--peer-timeout", type=float, default=120.0, help="seconds to wait for rank 0 and peers"
     )
     parser.add_argument("--run-id", default="mnist", help="hivemind's run id (DHT key prefix)")
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="cnn")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--wd", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
+    add_worker_arguments(parser)
     parser.add_argument("--compression", choices=COMPRESSIONS, default="none")
     parser.add_argument(
         "--local-updates",
@@ -307,9 +308,7 @@ def announce_batch(opt: hivemind.Optimizer, batch_size: int, timeout: float) -> 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    training = Training(args.model, args.epochs, args.lr, args.momentum, args.seed, args.batch_size)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
+    training = start_worker(args)
     data = example_module("mnist_data").load_data(args.rank, args.num_workers, torch.device("cpu"))
     model = example_module("mnist_models").make_model(args.model)
     check_compression(compression_named(args.compression))

@@ -55,7 +55,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.training import Training, example_module, steps_per_epoch, train_epochs
+from benchmarks.training import (
+    add_worker_arguments,
+    example_module,
+    start_worker,
+    steps_per_epoch,
+    train_epochs,
+)
 
 if TYPE_CHECKING:  # torch and torchft are imported where training runs
     from torch import nn
@@ -96,13 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=600.0,
         help="seconds torchft waits for a quorum, a connection or a collective",
     )
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="cnn")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--wd", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
+    add_worker_arguments(parser)
     args = parser.parse_args(argv)
     split_address(args.lighthouse)  # refused here rather than by torchft, mid-start
     if args.start_lighthouse and args.rank != 0:
@@ -187,9 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo, LocalSGD
 
-    training = Training(args.model, args.epochs, args.lr, args.momentum, args.seed, args.batch_size)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
+    training = start_worker(args)
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         interface = interface_of(args.host)
         if interface is not None:

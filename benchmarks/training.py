@@ -14,6 +14,7 @@ their files.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -77,6 +78,29 @@ class Training:
         return ["--model", self.model, "--epochs", str(self.epochs), "--lr", str(self.lr),
                 "--momentum", str(self.momentum), "--seed", str(self.seed),
                 "--batch-size", str(self.batch_size)]  # fmt: skip
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark worker that trains outside the example takes (DDP's and the
+    peers'), with the example's meaning: :class:`Training`'s and the SGD's weight decay."""
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="cnn")
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--wd", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def start_worker(args: argparse.Namespace) -> Training:
+    """The :class:`Training` of a worker's options (:func:`add_worker_arguments`), with torch
+    seeded by its seed (every worker draws the same initial weights) and on one thread (the
+    emulated hosts share this machine's cores)."""
+    import torch
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    return Training(args.model, args.epochs, args.lr, args.momentum, args.seed, args.batch_size)
 
 
 def example_command(
