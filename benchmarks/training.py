@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -36,20 +37,24 @@ EXAMPLE = REPO / "examples" / "mnist"
 TRAIN = EXAMPLE / "train.py"
 """The example's training script: a parameter-server worker."""
 
+CHARLM = REPO / "examples" / "charlm"
+"""The language-model example's folder."""
 
-def example_module(name: str) -> ModuleType:
-    """The example's module ``name`` (``examples/mnist/<name>.py``), loaded from its file once.
+
+def example_module(name: str, folder: Path = EXAMPLE) -> ModuleType:
+    """The example's module ``name`` (``examples/mnist/<name>.py``, or in ``folder``), loaded
+    from its file once.
 
     It is registered under its own name, as the example's scripts import each other
     (``from mnist_data import load_data``), so that they and the benchmarks share one module.
     """
-    path = EXAMPLE / f"{name}.py"
+    path = folder / f"{name}.py"
     loaded = sys.modules.get(name)
     if loaded is not None and getattr(loaded, "__file__", None) == str(path):
         return loaded
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"no module {name!r} in {EXAMPLE}")
+        raise ImportError(f"no module {name!r} in {folder}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
