@@ -44,6 +44,17 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
 * ``hivemind-local-fp16``: its local updates (``use_local_updates``): every worker steps on its
   own gradients and the parameters are averaged (fp16) in the background every round.
 
+``--workload charlm`` races the language-model example's transformer instead (4 workers of
+``examples/charlm/train.py``, 300 AdamW steps by default, ``--steps``) to a held-out perplexity
+(``--target``, 14 by default), evaluated every ``--eval-every`` steps:
+
+* ``lm-ps-sync``: the example's synchronous mode (dense gradients pushed every step, AdamW on
+  the workers);
+* ``lm-diloco``: its DiLoCo mode, H = 20, the outer Nesterov SGD on the servers;
+* ``lm-ddp-fp32``, ``lm-ddp-fp16``, ``lm-ddp-powersgd4-warmup``: DDP on gloo
+  (:mod:`benchmarks.ddp_charlm`, the same training as ``lm-ps-sync``), in fp32, with the fp16
+  hook, and with PowerSGD at rank 4 after the example's 30 warm-up steps of fp32.
+
 Peers run in the harness's interpreter: a run whose peer is not installed there (``pip install
 'pskv[bench]'``) is skipped with a line saying so. The smoke preset runs no peer; it says for
 each whether it is installed.
@@ -84,6 +95,7 @@ from typing import Any
 
 from benchmarks.common import append_jsonl, emit, machine, module_command, server_addresses
 from benchmarks.training import (
+    CHARLM,
     Training,
     ddp_command,
     epoch_record,
@@ -120,13 +132,33 @@ RUNS: dict[str, dict[str, Any]] = {
     "hivemind-local-fp16": {"peer": "hivemind", "compression": "fp16", "local_updates": True},
 }  # fmt: skip
 
+LM_DILOCO = ["--mode", "diloco", "--sync-every", "20", "--outer-lr", "0.7",
+             "--outer-momentum", "0.9"]  # fmt: skip
+"""The language model's DiLoCo: H = 20 inner AdamW steps, the paper's outer Nesterov SGD."""
+
+RUNS.update({
+    "lm-ps-sync": {"workload": "charlm", "push": "none", "pull": "none", "lm": ["--mode", "sync"]},
+    "lm-diloco": {"workload": "charlm", "push": "none", "pull": "none", "lm": LM_DILOCO},
+    "lm-ddp-fp32": {"workload": "charlm", "ddp": 0},
+    "lm-ddp-fp16": {"workload": "charlm", "ddp": 0, "compress": "fp16"},
+    "lm-ddp-powersgd4-warmup": {"workload": "charlm", "ddp": 4, "warmup_steps": 30},
+})  # fmt: skip
+
+WORKLOADS = {
+    "mnist": {"target": 0.97, "baselines": ("ps-dense", "ddp-fp32")},
+    "charlm": {"target": 14.0, "baselines": ("lm-ps-sync", "lm-ddp-fp32")},
+}
+"""Each workload's default target (MNIST: test accuracy to reach; the language model:
+held-out perplexity to get down to) and the runs its table compares every run with."""
+
 PEER_MODULES = {"torchft": "torchft_mnist", "hivemind": "hivemind_mnist"}
 """Each peer's worker, ``benchmarks.<module>``; the peer itself comes with the ``bench`` extra."""
 
 PRESETS = {
     "smoke": {"runs": ["ps-2bit", "ddp-fp32", "diloco"], "floor": ["diloco"], "epochs": 1,
               "rate": 1000.0, "workers": 2, "model": "mlp", "peers": "report"},
-    "full": {"runs": list(RUNS), "epochs": 24, "rate": 100.0, "workers": 4, "model": "cnn"},
+    "full": {"runs": [name for name, run in RUNS.items() if "workload" not in run],
+             "epochs": 24, "rate": 100.0, "workers": 4, "model": "cnn"},
     "slow": {"runs": ["ddp-powersgd", "ps-topk", "ps-2bit", "diloco-topk", "diloco-topk-2bit"],
              "epochs": 24, "rate": 10.0, "workers": 4, "model": "cnn"},
 }  # fmt: skip
@@ -135,6 +167,36 @@ PRESETS = {
 def _training(args: argparse.Namespace) -> Training:
     """What every run's workers train (the runner's default batch of 32 images per worker)."""
     return Training(args.model, args.epochs, args.lr, args.momentum, args.seed)
+
+
+def _lm_schedule(args: argparse.Namespace) -> list[str]:
+    """The language model's training options every one of its runs shares."""
+    return ["--steps", str(args.steps), "--eval-every", str(args.eval_every),
+            "--seed", str(args.seed)]  # fmt: skip
+
+
+def progress_record(line: str) -> dict[str, Any] | None:
+    """Worker 0's report in a line of its output: an MNIST epoch (``epoch``, ``accuracy``, its
+    ``seconds``) or a language-model evaluation (``step``, ``perplexity``, ``seconds`` since
+    training began); None for any other line."""
+    epoch = epoch_record(line)
+    if epoch is not None or not line.startswith("{"):
+        return epoch
+    record = json.loads(line)
+    return record if isinstance(record, dict) and "perplexity" in record else None
+
+
+def reached(record: dict[str, Any], target: float) -> bool:
+    """Whether a run's record is at ``target``: a test accuracy at least it, or a perplexity
+    at most it."""
+    if "perplexity" in record:
+        return bool(record["perplexity"] <= target)
+    return bool(record["accuracy"] >= target)
+
+
+def quality(record: dict[str, Any]) -> float:
+    """A record's test accuracy, or its perplexity."""
+    return float(record["accuracy"] if "accuracy" in record else record["perplexity"])
 
 
 def run_ps(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
@@ -170,14 +232,19 @@ def run_ps(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subpr
     for rank in range(n):
         worker_env = {**env, "KVSTORE_SERVERS": addresses, "KVSTORE_RANK": str(rank),
                       "KVSTORE_NUM_WORKERS": str(n)}  # fmt: skip
-        argv = example_command(
-            _training(args),
-            push=run["push"],
-            pull=run["pull"],
-            optimizer="server",
-            json_to="-",
-            extra=run.get("diloco", ()),
-        )
+        if run.get("workload") == "charlm":
+            argv = [py, str(CHARLM / "train.py"), *run["lm"], "--compression", run["push"],
+                    "--pull-compression", run["pull"], *_lm_schedule(args),
+                    "--json", "-"]  # fmt: skip
+        else:
+            argv = example_command(
+                _training(args),
+                push=run["push"],
+                pull=run["pull"],
+                optimizer="server",
+                json_to="-",
+                extra=run.get("diloco", ()),
+            )
         workers.append(
             cluster.popen(
                 rank,
@@ -195,10 +262,23 @@ def run_ddp(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subp
     """Start the DDP workers; worker 0's process."""
     master = f"{cluster.hosts[0].address}:29511"
     training = _training(args)
-    warmup = run.get("warmup_epochs", 0) * steps_per_epoch(training, args.workers)
+    warmup = 0
+    if run.get("workload") != "charlm":
+        warmup = run.get("warmup_epochs", 0) * steps_per_epoch(training, args.workers)
     workers = []
     for rank in range(args.workers):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
+        if run.get("workload") == "charlm":
+            argv = module_command(
+                "ddp_charlm", "--master", master, "--rank", str(rank),
+                "--num-workers", str(args.workers), *_lm_schedule(args),
+                "--powersgd", str(run["ddp"]),
+                "--powersgd-start", str(run.get("warmup_steps", 2)),
+                "--compress", run.get("compress", "none"),
+            )  # fmt: skip
+            workers.append(cluster.popen(rank, argv, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, env=env))  # fmt: skip
+            continue
         argv = ddp_command(
             training,
             master=master,
@@ -312,33 +392,48 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
             epoch_began = time.time()
             for line in lead.stdout:
                 output.append(line)
-                epoch = epoch_record(line)
+                epoch = progress_record(line)
                 if epoch is not None:
-                    wall += epoch["seconds"]
+                    if "epoch" in epoch:  # an MNIST epoch: its own seconds
+                        wall += epoch["seconds"]
+                        point = {"epoch": epoch["epoch"], "accuracy": epoch["accuracy"],
+                                 "seconds": round(epoch["seconds"], 3)}  # fmt: skip
+                    else:  # a language-model evaluation: the seconds since training began
+                        point = {"step": epoch["step"], "perplexity": epoch["perplexity"],
+                                 "seconds": round(epoch["seconds"] - wall, 3)}  # fmt: skip
+                        wall = epoch["seconds"]
                     sent = [now - then for now, then in
                             zip(host_sent_bytes(cluster), started_sent, strict=True)]  # fmt: skip
                     records.append({"bench": "time_to_accuracy", "run": name, **_spec(run),
                                     "rate_mbit": rate,
                                     "pushed_bytes": epoch.get("pushed_bytes_total"),
                                     "sent_bytes_per_host": round(sum(sent) / len(sent)),
-                                    "epoch": epoch["epoch"], "accuracy": epoch["accuracy"],
-                                    "seconds": round(epoch["seconds"], 3), "wall": round(wall, 3),
+                                    **point, "wall": round(wall, 3),
                                     **cpu.usage(epoch_began, time.time()),
                                     **({"pulled_bytes": epoch["pulled_bytes"]}
                                        if "pulled_bytes" in epoch else {})})  # fmt: skip
                     epoch_began = time.time()
-                    arrived = epoch["accuracy"] >= args.target and not args.no_stop
+                    arrived = reached(records[-1], args.target) and not args.no_stop
                     if arrived:
                         break  # the rest of the run would not change its time
                 if time.monotonic() > deadline:
                     timed_out = True
                     break
         cluster.stop_processes()
-        if not records or not (arrived or timed_out or len(records) == args.epochs):
+        expected = reports_expected(args)
+        if not records or not (arrived or timed_out or len(records) == expected):
             raise RuntimeError(f"{name}: the workers stopped after {len(records)} of "
-                               f"{args.epochs} epochs; worker 0 said "
+                               f"{expected} reports; worker 0 said "
                                f"{''.join(output[-20:])[-1500:]}")  # fmt: skip
     return records
+
+
+def reports_expected(args: argparse.Namespace) -> int:
+    """How many reports worker 0 makes in a whole run: an epoch's each, or an evaluation's
+    every ``--eval-every`` steps and after the last."""
+    if args.workload == "charlm":
+        return -(-args.steps // args.eval_every)
+    return int(args.epochs)
 
 
 def host_sent_bytes(cluster: Any) -> list[int]:
@@ -354,18 +449,22 @@ def _spec(run: dict[str, Any]) -> dict[str, Any]:
         return {"system": run["peer"], **{k: v for k, v in run.items() if k != "peer"}}
     if "ddp" in run:
         spec = {"system": "ddp", "powersgd_rank": run["ddp"]}
+        if run.get("workload"):
+            spec["workload"] = run["workload"]
         if run.get("compress", "none") != "none":
             spec["compress"] = run["compress"]
         if run.get("warmup_epochs"):
             spec["powersgd_warmup_epochs"] = run["warmup_epochs"]
         return spec
     spec = {"system": "kvstore", "push": run["push"], "pull": run["pull"]}
+    if run.get("workload"):
+        spec.update(workload=run["workload"], lm=" ".join(run["lm"]))
     return {**spec, "diloco": " ".join(run["diloco"])} if "diloco" in run else spec
 
 
 def time_to(records: list[dict[str, Any]], target: float) -> float | None:
     """The wall seconds at the end of the first epoch at or above ``target``."""
-    return next((r["wall"] for r in records if r["accuracy"] >= target), None)
+    return next((r["wall"] for r in records if reached(r, target)), None)
 
 
 Runs = dict[tuple[str, float], list[dict[str, Any]]]
@@ -384,7 +483,8 @@ def summaries(
     lines = []
     for (name, rate), records in by_run.items():
         seconds = time_to(records, target)
-        reached = next((r for r in records if r["accuracy"] >= target), None)
+        at = next((i for i, r in enumerate(records) if reached(r, target)), None)
+        there = None if at is None else records[at]
         line = {
             "bench": "time_to_accuracy",
             "run": name,
@@ -392,22 +492,23 @@ def summaries(
             "system": records[0].get("system") if records else None,
             "target": target,
             "seconds_to_target": seconds,
-            "final_accuracy": records[-1]["accuracy"] if records else None,
-            "epochs": len(records),
-            "epochs_to_target": None if reached is None else reached["epoch"],
-            "pushed_bytes_to_target": None if reached is None else reached.get("pushed_bytes"),
+            "metric": "perplexity" if records and "perplexity" in records[0] else "accuracy",
+            "final_quality": quality(records[-1]) if records else None,
+            "reports": len(records),
+            "to_target": None if there is None else there.get("epoch", there.get("step")),
+            "pushed_bytes_to_target": None if there is None else there.get("pushed_bytes"),
             "sent_bytes_per_host_to_target": (
-                None if reached is None else reached.get("sent_bytes_per_host")
+                None if there is None else there.get("sent_bytes_per_host")
             ),
             "cpu_busy_max": max((r["cpu_busy"] for r in records if "cpu_busy" in r), default=None),
         }  # fmt: skip
         floor_epochs = (floors or {}).get(name, [])
-        if floor_epochs and reached is not None:
-            # Its epochs on free links, as many as it needed here: a run of the same training
-            # need not reach the target at the same epoch (the servers' sums are taken in
+        if floor_epochs and at is not None:
+            # Its reports on free links, as many as it needed here: a run of the same training
+            # need not reach the target at the same report (the servers' sums are taken in
             # arrival order, which changes their float rounding).
-            per_epoch = floor_epochs[-1]["wall"] / len(floor_epochs)
-            line["floor_seconds"] = round(per_epoch * reached["epoch"], 3)
+            per_report = floor_epochs[-1]["wall"] / len(floor_epochs)
+            line["floor_seconds"] = round(per_report * (at + 1), 3)
             line["over_floor"] = round(seconds / line["floor_seconds"], 2)
         lines.append(line)
     return lines
@@ -431,6 +532,8 @@ def write_table(
     system (DDP, hivemind, torchft) at that rate. A run that could not train keeps its row,
     with the last line its worker 0 wrote (``failures``)."""
     times = {(s["run"], s["rate_mbit"]): s["seconds_to_target"] for s in summary}
+    perplexity = any(s["metric"] == "perplexity" for s in summary)
+    dense, allreduce = WORKLOADS["charlm" if perplexity else "mnist"]["baselines"]
     best_peer = {}
     for s in summary:
         if s["system"] != "kvstore" and s["seconds_to_target"] is not None:
@@ -441,7 +544,9 @@ def write_table(
     def ratio(base: float | None, t: float | None) -> str:
         return f"{base / t:.2f}x" if base and t else "-"
 
-    header = (f"| Mbit/s | run | epochs | seconds to {target:.0%} | final accuracy "
+    goal = f"perplexity {target:g}" if perplexity else f"{target:.0%}"
+    unit, final = ("steps", "final perplexity") if perplexity else ("epochs", "final accuracy")
+    header = (f"| Mbit/s | run | {unit} | seconds to {goal} | {final} "
               "| MB sent per host | CPU busy (max) | dense PS / run | DDP fp32 / run "
               "| best peer / run | over floor |")  # fmt: skip
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -454,10 +559,11 @@ def write_table(
         cpu = f"{s['cpu_busy_max']:.2f}" if s.get("cpu_busy_max") is not None else "-"
         peer = best_peer.get(rate)
         peer_ratio = f"{ratio(peer[1], t)} ({peer[0]})" if peer else "-"
-        lines.append(f"| {rate:g} | {s['run']} | {s['epochs_to_target'] or '-'} | {shown} | "
-                     f"{s['final_accuracy']:.2%} | {sent_mb} | {cpu} | "
-                     f"{ratio(times.get(('ps-dense', rate)), t)} | "
-                     f"{ratio(times.get(('ddp-fp32', rate)), t)} | {peer_ratio} "
+        last = f"{s['final_quality']:.2f}" if perplexity else f"{s['final_quality']:.2%}"
+        lines.append(f"| {rate:g} | {s['run']} | {s['to_target'] or '-'} | {shown} | "
+                     f"{last} | {sent_mb} | {cpu} | "
+                     f"{ratio(times.get((dense, rate)), t)} | "
+                     f"{ratio(times.get((allreduce, rate)), t)} | {peer_ratio} "
                      f"| {floor} |")  # fmt: skip
     for (name, rate), error in (failures or {}).items():
         lines.append(f"| {rate:g} | {name} | did not train: {last_words(error)} "
@@ -475,13 +581,19 @@ def plot(path: Path, by_run: Runs, target: float, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (name, rate), records in by_run.items():
         label = name if len(rates) == 1 else f"{name}, {rate:g} Mbit/s"
-        ax.plot([r["wall"] for r in records], [r["accuracy"] for r in records], marker="o",
+        ax.plot([r["wall"] for r in records], [quality(r) for r in records], marker="o",
                 label=label)  # fmt: skip
-    ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.0%}")
+    perplexity = any("perplexity" in records[0] for records in by_run.values() if records)
+    shown = f"{target:g}" if perplexity else f"{target:.0%}"
+    ax.axhline(target, color="grey", linestyle=":", label=f"target {shown}")
     ax.set_xscale("log")  # runs 15x apart in speed stay readable side by side
     ax.set_xlabel("wall seconds, log scale (training and worker 0's evaluation)")
-    ax.set_ylabel("test accuracy")
-    ax.set_ylim(0.8, 1.0)
+    if perplexity:
+        ax.set_ylabel("held-out perplexity")
+        ax.set_yscale("log")
+    else:
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0.8, 1.0)
     ax.set_title(title)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -502,7 +614,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target", type=float, default=0.97, help="test accuracy to reach")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="mnist",
+        help="the MNIST example's model, or the language-model example's transformer",
+    )
+    parser.add_argument("--steps", type=int, default=300, help="the language model's steps")
+    parser.add_argument(
+        "--eval-every", type=int, default=25, help="the language model's steps between reports"
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        help="test accuracy to reach (MNIST, 0.97 by default) or held-out perplexity to get "
+        "down to (the language model, 14 by default)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--no-stop", action="store_true",
                         help="train every epoch, not only until the target")  # fmt: skip
@@ -524,11 +651,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
+    if args.target is None:
+        args.target = WORKLOADS[args.workload]["target"]
+    if args.runs is None and args.workload == "charlm":
+        args.runs = [name for name, run in RUNS.items() if run.get("workload") == "charlm"]
     for name in ("runs", "workers", "epochs", "rate", "model"):
         if getattr(args, name) is None:
             setattr(args, name, preset[name])
     if args.floor is None:
-        args.floor = preset.get("floor", [])
+        args.floor = preset.get("floor", []) if args.workload == "mnist" else []
+    wrong = [n for n in {*args.runs, *args.floor}
+             if RUNS[n].get("workload", "mnist") != args.workload]  # fmt: skip
+    if wrong:
+        parser.error(f"not runs of the {args.workload} workload: {', '.join(sorted(wrong))}")
     rates = args.rates or [args.rate]
     by_run: Runs = {}
     floors: dict[str, list[dict[str, Any]]] = {}
@@ -536,9 +671,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.source is not None:
         for line in args.source.read_text().splitlines():
             record = json.loads(line)
-            if "epoch" in record and record.get("rate_mbit") == 0:
+            reports = "epoch" in record or "step" in record
+            if reports and record.get("rate_mbit") == 0:
                 floors.setdefault(record["run"], []).append(record)
-            elif "epoch" in record:
+            elif reports:
                 by_run.setdefault((record["run"], record["rate_mbit"]), []).append(record)
             elif "error" in record and record.get("rate_mbit"):
                 failures[record["run"], record["rate_mbit"]] = record["error"]
@@ -586,7 +722,8 @@ def main(argv: list[str] | None = None) -> int:
                 emit(record)
                 append_jsonl(args.out, record)
         setting = {"bench": "time_to_accuracy", "preset": args.preset, "machine": machine(),
-                   "model": args.model, "workers": args.workers, "rate_mbit": rates[0],
+                   "workload": args.workload, "model": args.model, "workers": args.workers,
+                   "rate_mbit": rates[0],
                    "rates_mbit": rates,
                    "wall_seconds": round(time.time() - started, 1)}  # fmt: skip
         emit(setting)
@@ -598,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
         write_table(args.table, summary, args.target, failures)
     if args.plot is not None and by_run:
         shown = ", ".join(f"{rate:g}" for rate in rates)
-        title = f"MNIST {args.model.upper()}, {args.workers} workers, {shown} Mbit/s links"
+        what = "Language model" if args.workload == "charlm" else f"MNIST {args.model.upper()}"
+        title = f"{what}, {args.workers} workers, {shown} Mbit/s links"
         plot(args.plot, by_run, args.target, title)
     return 0
 

@@ -517,6 +517,27 @@ def test_time_to_accuracy_smoke_or_reports_why_not(tmp_path):
     assert (tmp_path / "u.md").read_text() == (tmp_path / "t.md").read_text()
 
 
+def test_time_to_accuracy_races_the_language_model_the_same_way_on_every_system(tmp_path):
+    """The language-model workload: the example's synchronous job and DDP train the same
+    model the same way, so their first report's perplexity agrees to float rounding."""
+    records = run(
+        "time_to_accuracy", "--workload", "charlm", "--runs", "lm-ps-sync", "lm-ddp-fp32",
+        "--steps", "4", "--eval-every", "2", "--target", "1000", "--table", str(tmp_path / "t.md"),
+    )  # fmt: skip
+    if "skipped" in records[0] and "run" not in records[0]:  # no root or no iproute2 here
+        return
+    reports = [r for r in records if "step" in r]
+    assert [(r["run"], r["step"]) for r in reports] == [("lm-ps-sync", 2), ("lm-ddp-fp32", 2)]
+    ps, ddp = reports
+    assert ps["workload"] == ddp["workload"] == "charlm"
+    assert ps["perplexity"] == pytest.approx(ddp["perplexity"], rel=1e-5)
+    assert ps["wall"] == ps["seconds"] and ps["pushed_bytes"] > 0
+    summary = [r for r in records if "seconds_to_target" in r]
+    assert [(s["metric"], s["to_target"]) for s in summary] == [("perplexity", 2)] * 2
+    table = (tmp_path / "t.md").read_text()
+    assert "| steps | seconds to perplexity 1000 | final perplexity |" in table
+
+
 def test_hostile_input_probe_smoke():
     """Each scenario's record, and the behaviour it must show (never its timings): strangers
     get no reply, malformed messages only valid error replies, every job exact sums, every
