@@ -7,8 +7,7 @@ example's own functions: the same byte-level transformer (``--layers``, ``--widt
 windows per rank and step (``--seed``), AdamW with the example's betas, weight decay,
 warm-up and cosine schedule, the averaged gradient clipped at the example's norm before every
 step, and the same fixed validation windows. DDP averages the gradients with gloo allreduce, in
-fp32, through torch's fp16 compression hook (``--compress fp16``) or its PowerSGD hook
-(``--powersgd RANK`` after ``--powersgd-start`` steps of fp32).
+fp32 or through torch's fp16 or PowerSGD hook (:mod:`benchmarks.ddp_hooks`).
 
 Every ``--eval-every`` steps (and after the last) worker 0 prints one JSON line with the
 example's keys: ``step``, ``samples``, ``loss`` (its training loss since the last line),
@@ -27,8 +26,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.ddp_hooks import add_hook_arguments, check_hook_arguments, wrap
 from benchmarks.training import CHARLM, example_module
 
 
@@ -49,45 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate")
     parser.add_argument("--warmup", type=int, default=30, metavar="STEPS")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--powersgd", type=int, default=0, metavar="RANK", help="PowerSGD hook rank (0: none)"
-    )
-    parser.add_argument(
-        "--powersgd-start",
-        type=int,
-        default=2,
-        metavar="STEP",
-        help="PowerSGD's warm-up: plain fp32 allreduce before this step",
-    )
-    parser.add_argument(
-        "--compress",
-        choices=["none", "fp16"],
-        default="none",
-        help="torch's fp16 compression hook (not with --powersgd)",
-    )
+    add_hook_arguments(parser)
     args = parser.parse_args(argv)
-    if args.powersgd and args.compress != "none":
-        parser.error("--compress and --powersgd are two hooks: give one")
+    check_hook_arguments(parser, args)
     if args.steps < 1 or args.eval_every < 1:
         parser.error("--steps and --eval-every must be at least 1")
     return args
-
-
-def register_hook(model: DistributedDataParallel, args: argparse.Namespace) -> None:
-    """Torch's communication hook that ``--compress`` or ``--powersgd`` names, if any."""
-    if args.powersgd:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=args.powersgd,
-            start_powerSGD_iter=args.powersgd_start,
-        )
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif args.compress == "fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,10 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     validation = corpus.fixed_windows(text_corpus.validation, args.val_windows, args.context)
     size = models.ModelSize(args.layers, args.width, args.heads, args.context)
     network = models.CharTransformer(size)
-    # (one bucket with PowerSGD: torch's hook runs its gloo collectives asynchronously, and two
-    # buckets' could interleave differently on each rank)
-    model = DistributedDataParallel(network, bucket_cap_mb=1024 if args.powersgd else 25)
-    register_hook(model, args)
+    model = wrap(network, args)
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=example.BETAS, weight_decay=example.WEIGHT_DECAY
     )

@@ -4,13 +4,9 @@ allreduce baseline of :mod:`benchmarks.time_to_accuracy`.
 Same data shard per rank, model, batch size, seed, epoch order and SGD (with its momentum and
 weight decay) as ``examples/mnist/train.py`` with ``--optimizer local``, through the benchmarks'
 training runner (:func:`benchmarks.training.train_epochs`); DDP averages the gradients with gloo
-allreduce, in fp32, through torch's fp16 compression hook (``--compress fp16``: the gradients
-travel as 16-bit floats and are averaged in fp32 again; torch refuses its bf16 hook without
-NCCL, so on gloo fp16 is the 16-bit baseline), or through its PowerSGD hook
-(``--powersgd RANK``, with its error feedback and warm start, after ``--powersgd-start`` steps
-of plain fp32 allreduce: the warm-up torch's documentation recommends). Worker 0 prints a JSON
-line per epoch: mean loss, test accuracy and the epoch's seconds (its evaluation included, as
-the example's).
+allreduce, in fp32 or through torch's fp16 or PowerSGD hook (:mod:`benchmarks.ddp_hooks`).
+Worker 0 prints a JSON line per epoch: mean loss, test accuracy and the epoch's seconds (its
+evaluation included, as the example's).
 
     python -m benchmarks.ddp_mnist --master HOST:PORT --rank R --num-workers N \
         [--compress fp16 | --powersgd 4 --powersgd-start 31]
@@ -25,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.ddp_hooks import add_hook_arguments, check_hook_arguments, wrap
 from benchmarks.training import (
     add_worker_arguments,
     example_module,
@@ -42,25 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--num-workers", type=int, required=True)
     add_worker_arguments(parser)
-    parser.add_argument(
-        "--powersgd", type=int, default=0, metavar="RANK", help="PowerSGD hook rank (0: none)"
-    )
-    parser.add_argument(
-        "--powersgd-start",
-        type=int,
-        default=2,
-        metavar="STEP",
-        help="PowerSGD's warm-up: plain fp32 allreduce before this step",
-    )
-    parser.add_argument(
-        "--compress",
-        choices=["none", "fp16"],
-        default="none",
-        help="torch's fp16 compression hook (not with --powersgd)",
-    )
+    add_hook_arguments(parser)
     args = parser.parse_args(argv)
-    if args.powersgd and args.compress != "none":
-        parser.error("--compress and --powersgd are two hooks: give one")
+    check_hook_arguments(parser, args)
     return args
 
 
@@ -74,24 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         world_size=args.num_workers,
     )
     data = example_module("mnist_data").load_data(args.rank, args.num_workers, torch.device("cpu"))
-    # (broadcasts rank 0's weights; with PowerSGD one bucket: torch's hook runs its gloo
-    # collectives asynchronously, and two buckets' could interleave differently on each rank)
-    bucket_mb = 1024 if args.powersgd else 25
     network = example_module("mnist_models").make_model(args.model)
-    model = DistributedDataParallel(network, bucket_cap_mb=bucket_mb)
-    if args.powersgd:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=args.powersgd,
-            start_powerSGD_iter=args.powersgd_start,
-        )
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif args.compress != "none":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    model = wrap(network, args)  # (broadcasts rank 0's weights)
     opt = torch.optim.SGD(
         model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.wd
     )
