@@ -90,6 +90,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,19 @@ def progress_record(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and "perplexity" in record else None
 
 
+def report_point(report: dict[str, Any], wall: float) -> tuple[dict[str, Any], float]:
+    """What a run's record keeps of worker 0's ``report`` (:func:`progress_record`), and the
+    run's wall seconds after it, given ``wall`` before it: an MNIST epoch brings its own
+    seconds, a language-model evaluation the seconds since training began."""
+    if "epoch" in report:
+        point = {"epoch": report["epoch"], "accuracy": report["accuracy"]}
+        seconds = report["seconds"]
+    else:
+        point = {"step": report["step"], "perplexity": report["perplexity"]}
+        seconds = report["seconds"] - wall
+    return {**point, "seconds": round(seconds, 3)}, wall + seconds
+
+
 def reached(record: dict[str, Any], target: float) -> bool:
     """Whether a run's record is at ``target``: a test accuracy at least it, or a perplexity
     at most it."""
@@ -258,42 +272,57 @@ def run_ps(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subpr
     return workers[0]
 
 
+def start_gloo_workers(
+    cluster: Any, args: argparse.Namespace, command: Callable[[int], list[str]]
+) -> subprocess.Popen:
+    """Start ``command(rank)`` on every worker's host, with gloo on that host's interface;
+    worker 0's process (its output, stderr included, in its ``stdout``)."""
+    workers = [
+        cluster.popen(
+            rank,
+            command(rank),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)},
+        )
+        for rank in range(args.workers)
+    ]
+    return workers[0]
+
+
+def ddp_worker_command(
+    args: argparse.Namespace, run: dict[str, Any], master: str, rank: int
+) -> list[str]:
+    """Rank ``rank``'s DDP worker of ``run``: the MNIST one or the language model's."""
+    if run.get("workload") == "charlm":
+        return module_command(
+            "ddp_charlm", "--master", master, "--rank", str(rank),
+            "--num-workers", str(args.workers), *_lm_schedule(args),
+            "--powersgd", str(run["ddp"]), "--powersgd-start", str(run.get("warmup_steps", 2)),
+            "--compress", run.get("compress", "none"),
+        )  # fmt: skip
+    training = _training(args)
+    warmup = 2  # steps of fp32 before PowerSGD, unless the run asks for epochs of it
+    if "warmup_epochs" in run:
+        warmup = run["warmup_epochs"] * steps_per_epoch(training, args.workers)
+    return ddp_command(
+        training,
+        master=master,
+        rank=rank,
+        num_workers=args.workers,
+        powersgd=run["ddp"],
+        powersgd_start=warmup,
+        compress=run.get("compress", "none"),
+    )
+
+
 def run_ddp(cluster: Any, args: argparse.Namespace, run: dict[str, Any]) -> subprocess.Popen:
     """Start the DDP workers; worker 0's process."""
     master = f"{cluster.hosts[0].address}:29511"
-    training = _training(args)
-    warmup = 0
-    if run.get("workload") != "charlm":
-        warmup = run.get("warmup_epochs", 0) * steps_per_epoch(training, args.workers)
-    workers = []
-    for rank in range(args.workers):
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
-        if run.get("workload") == "charlm":
-            argv = module_command(
-                "ddp_charlm", "--master", master, "--rank", str(rank),
-                "--num-workers", str(args.workers), *_lm_schedule(args),
-                "--powersgd", str(run["ddp"]),
-                "--powersgd-start", str(run.get("warmup_steps", 2)),
-                "--compress", run.get("compress", "none"),
-            )  # fmt: skip
-            workers.append(cluster.popen(rank, argv, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True, env=env))  # fmt: skip
-            continue
-        argv = ddp_command(
-            training,
-            master=master,
-            rank=rank,
-            num_workers=args.workers,
-            powersgd=run["ddp"],
-            powersgd_start=warmup or 2,
-            compress=run.get("compress", "none"),
-        )
-        workers.append(
-            cluster.popen(
-                rank, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-            )  # fmt: skip
-        )
-    return workers[0]
+    return start_gloo_workers(
+        cluster, args, lambda rank: ddp_worker_command(args, run, master, rank)
+    )
 
 
 def peer_missing(name: str) -> str | None:
@@ -338,20 +367,9 @@ def run_peer(
     """Start a peer's workers, one per host; worker 0's process. ``scratch``: a folder of
     this run's, which every host sees."""
     meeting = scratch / "rank0"
-    workers = []
-    for rank in range(args.workers):
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
-        workers.append(
-            cluster.popen(
-                rank,
-                peer_command(cluster, args, run, rank, meeting),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-            )
-        )
-    return workers[0]
+    return start_gloo_workers(
+        cluster, args, lambda rank: peer_command(cluster, args, run, rank, meeting)
+    )
 
 
 def start_run(
@@ -365,12 +383,12 @@ def start_run(
 
 def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, Any]]:
     """Train run ``name`` on a fresh cluster with links of ``rate`` Mbit/s (0: not shaped)
-    until worker 0 reports the target accuracy (unless ``args.no_stop``), ``args.epochs``
-    epochs or ``args.timeout`` seconds; worker 0's epoch records (cumulative seconds in
-    ``wall``).
+    until worker 0 reports the target (unless ``args.no_stop``), the run's last report
+    (:func:`reports_expected`) or ``args.timeout`` seconds; the records of worker 0's reports
+    (cumulative seconds in ``wall``).
 
     Raises:
-        RuntimeError: the workers stopped before any of those, or reported no epoch.
+        RuntimeError: the workers stopped before any of those, or reported nothing.
     """
     from benchmarks.bench_cluster import CpuMonitor
     from benchmarks.netns import Cluster
@@ -389,30 +407,23 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
         wall = 0.0
         arrived = timed_out = False
         with CpuMonitor(job, descendants=True) as cpu:
-            epoch_began = time.time()
+            report_began = time.time()
             for line in lead.stdout:
                 output.append(line)
-                epoch = progress_record(line)
-                if epoch is not None:
-                    if "epoch" in epoch:  # an MNIST epoch: its own seconds
-                        wall += epoch["seconds"]
-                        point = {"epoch": epoch["epoch"], "accuracy": epoch["accuracy"],
-                                 "seconds": round(epoch["seconds"], 3)}  # fmt: skip
-                    else:  # a language-model evaluation: the seconds since training began
-                        point = {"step": epoch["step"], "perplexity": epoch["perplexity"],
-                                 "seconds": round(epoch["seconds"] - wall, 3)}  # fmt: skip
-                        wall = epoch["seconds"]
+                report = progress_record(line)
+                if report is not None:
+                    point, wall = report_point(report, wall)
                     sent = [now - then for now, then in
                             zip(host_sent_bytes(cluster), started_sent, strict=True)]  # fmt: skip
                     records.append({"bench": "time_to_accuracy", "run": name, **_spec(run),
                                     "rate_mbit": rate,
-                                    "pushed_bytes": epoch.get("pushed_bytes_total"),
+                                    "pushed_bytes": report.get("pushed_bytes_total"),
                                     "sent_bytes_per_host": round(sum(sent) / len(sent)),
                                     **point, "wall": round(wall, 3),
-                                    **cpu.usage(epoch_began, time.time()),
-                                    **({"pulled_bytes": epoch["pulled_bytes"]}
-                                       if "pulled_bytes" in epoch else {})})  # fmt: skip
-                    epoch_began = time.time()
+                                    **cpu.usage(report_began, time.time()),
+                                    **({"pulled_bytes": report["pulled_bytes"]}
+                                       if "pulled_bytes" in report else {})})  # fmt: skip
+                    report_began = time.time()
                     arrived = reached(records[-1], args.target) and not args.no_stop
                     if arrived:
                         break  # the rest of the run would not change its time
@@ -691,8 +702,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: namespaces go
         started = time.time()
-        for name in sorted({*args.runs, *args.floor}):
-            why = peer_missing(name)
+        missing = {name: peer_missing(name) for name in sorted({*args.runs, *args.floor})}
+        for name, why in missing.items():
             if why is not None:
                 emit(skipped := {"bench": "time_to_accuracy", "run": name, "skipped": why})
                 append_jsonl(args.out, skipped)
@@ -700,8 +711,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in (n for n in RUNS if "peer" in RUNS[n] and n not in args.runs):
                 why = peer_missing(name) or "installed; the smoke preset runs no peer"
                 emit({"bench": "time_to_accuracy", "run": name, "skipped": why})
-        args.runs = [name for name in args.runs if peer_missing(name) is None]
-        args.floor = [name for name in args.floor if peer_missing(name) is None]
+        args.runs = [name for name in args.runs if missing[name] is None]
+        args.floor = [name for name in args.floor if missing[name] is None]
         planned = [(name, rate) for rate in rates for name in args.runs]
         planned += [(name, 0.0) for name in args.floor]
         for name, rate in planned:
