@@ -20,7 +20,6 @@ example's keys: ``step``, ``samples``, ``loss`` (its training loss since the las
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.ddp_hooks import add_hook_arguments, check_hook_arguments, wrap
-from benchmarks.training import CHARLM, example_module
+from benchmarks.training import CHARLM, example_module, print_report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             "perplexity": math.exp(val_loss),
             "seconds": time.perf_counter() - started,
         }
-        print(json.dumps(record), flush=True)
+        print_report(record)
         loss_sum, loss_steps = 0.0, 0
     dist.barrier()
     dist.destroy_process_group()

@@ -15,8 +15,6 @@ evaluation included, as the example's).
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +24,7 @@ from benchmarks.ddp_hooks import add_hook_arguments, check_hook_arguments, wrap
 from benchmarks.training import (
     add_worker_arguments,
     example_module,
+    print_report,
     start_worker,
     steps_per_epoch,
     train_epochs,
@@ -68,11 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         return loss.item()
 
-    def report(record: dict[str, Any]) -> None:
-        print(json.dumps(record), flush=True)
-
     steps = steps_per_epoch(training, args.num_workers)
-    train_epochs(training, step, network, data, steps, report if args.rank == 0 else None)
+    train_epochs(training, step, network, data, steps, print_report if args.rank == 0 else None)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import time
 from collections.abc import Callable
@@ -62,6 +61,7 @@ from benchmarks.training import (
     Training,
     add_worker_arguments,
     example_module,
+    print_report,
     start_worker,
     steps_per_epoch,
     train_epochs,
@@ -358,7 +358,7 @@ def train(
         def report(record: dict[str, Any]) -> None:
             record["hivemind_epoch"] = opt.local_epoch
             record["hivemind_peers"] = opt.tracker.global_progress.num_peers
-            print(json.dumps(record), flush=True)
+            print_report(record)
 
     evaluated = EvaluatedModel(model, opt) if args.local_updates else model
     steps = steps_per_epoch(training, args.num_workers)

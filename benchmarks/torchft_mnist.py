@@ -47,17 +47,17 @@ import argparse
 import array
 import copy
 import fcntl
-import json
 import os
 import socket
 import struct
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from benchmarks.training import (
     add_worker_arguments,
     example_module,
+    print_report,
     start_worker,
     steps_per_epoch,
     train_epochs,
@@ -245,15 +245,13 @@ def main(argv: list[str] | None = None) -> None:
         synced.refresh()
         return float(loss.item())
 
-    def report(record: dict[str, Any]) -> None:
-        print(json.dumps(record), flush=True)
-
     def barrier() -> None:
         pg.barrier(dist.BarrierOptions()).wait()
 
     steps = steps_per_epoch(training, args.num_workers)
+    report = print_report if args.rank == 0 else None
     with algorithm:
-        train_epochs(training, step, synced.model, data, steps, report if args.rank == 0 else None)
+        train_epochs(training, step, synced.model, data, steps, report)
     barrier()  # every worker has trained its last step: none needs the lighthouse again
     manager.shutdown()
     barrier()  # every manager server has stopped sending the lighthouse its heartbeats

@@ -148,6 +148,12 @@ def ddp_command(
                           *training.flags())  # fmt: skip
 
 
+def print_report(record: dict[str, Any]) -> None:
+    """Worker 0's report: one JSON line on its stdout, flushed at once (the harness reads it
+    as it comes, and stops a run at its target)."""
+    print(json.dumps(record), flush=True)
+
+
 def epoch_record(line: str) -> dict[str, Any] | None:
     """The epoch record in a line of a worker's output (a JSON object with an ``epoch``), or
     None for any other line (the example also prints a header and a text line per epoch)."""
