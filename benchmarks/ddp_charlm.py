@@ -20,87 +20,60 @@ example's keys: ``step``, ``samples``, ``loss`` (its training loss since the las
 from __future__ import annotations
 
 import argparse
-import math
-import time
+from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
 from benchmarks.ddp_hooks import add_hook_arguments, check_hook_arguments, wrap
-from benchmarks.training import CHARLM, example_module, print_report
+from benchmarks.lm_training import (
+    add_lm_arguments,
+    check_lm_arguments,
+    cross_entropy,
+    load_language_model,
+    train_lm,
+)
+from benchmarks.training import print_report
+
+if TYPE_CHECKING:
+    import torch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = example_module("model", CHARLM).DEFAULT_SIZE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", required=True, help="HOST:PORT of rank 0's rendezvous")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--num-workers", type=int, required=True)
-    parser.add_argument("--steps", type=int, default=300, help="steps per worker")
-    parser.add_argument("--eval-every", type=int, default=50, metavar="STEPS")
-    parser.add_argument("--val-windows", type=int, default=64, help="validation windows")
-    parser.add_argument("--batch-size", type=int, default=16, help="windows per step and worker")
-    parser.add_argument("--layers", type=int, default=defaults.layers)
-    parser.add_argument("--width", type=int, default=defaults.width)
-    parser.add_argument("--heads", type=int, default=defaults.heads)
-    parser.add_argument("--context", type=int, default=defaults.context)
-    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate")
-    parser.add_argument("--warmup", type=int, default=30, metavar="STEPS")
-    parser.add_argument("--seed", type=int, default=0)
+    add_lm_arguments(parser)
     add_hook_arguments(parser)
     args = parser.parse_args(argv)
     check_hook_arguments(parser, args)
-    if args.steps < 1 or args.eval_every < 1:
-        parser.error("--steps and --eval-every must be at least 1")
+    check_lm_arguments(parser, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    example = example_module("train", CHARLM)  # the example's schedule, evaluation, constants
-    corpus, models = example_module("corpus", CHARLM), example_module("model", CHARLM)
-    torch.manual_seed(args.seed)  # every rank draws the same initial weights, as the example's
-    torch.set_num_threads(1)  # one core per worker: the emulated hosts share the machine
+    lm = load_language_model(args, args.rank, args.num_workers)
     dist.init_process_group(
         "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.num_workers
     )
-    text_corpus = corpus.load_corpus()
-    text = corpus.shard(text_corpus.train, args.rank, args.num_workers)
-    validation = corpus.fixed_windows(text_corpus.validation, args.val_windows, args.context)
-    size = models.ModelSize(args.layers, args.width, args.heads, args.context)
-    network = models.CharTransformer(size)
-    model = wrap(network, args)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=example.BETAS, weight_decay=example.WEIGHT_DECAY
-    )
-    started = time.perf_counter()
-    loss_sum, loss_steps = 0.0, 0
-    for step in range(1, args.steps + 1):
+    model = wrap(lm.network, args)
+    opt = lm.adamw(model.parameters(), args.lr)
+
+    def set_lr(lr: float) -> None:
         for group in opt.param_groups:
-            group["lr"] = example.learning_rate(args, step)
-        inputs, targets = corpus.sample_windows(
-            text, args.batch_size, args.context, seed=args.seed, rank=args.rank, step=step
-        )
+            group["lr"] = lr
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
         opt.zero_grad(set_to_none=False)
-        loss = models.cross_entropy(model(inputs), targets)
+        loss = cross_entropy(model(inputs), targets)
         loss.backward()  # DDP allreduces the gradients' mean in buckets, inside backward
-        torch.nn.utils.clip_grad_norm_(model.parameters(), example.CLIP_NORM)
+        lm.clip(model.parameters())
         opt.step()
-        loss_sum += loss.item()
-        loss_steps += 1
-        if (step % args.eval_every and step != args.steps) or args.rank != 0:
-            continue
-        val_loss = example.evaluate(network, validation)
-        record = {
-            "step": step,
-            "samples": step * args.batch_size * args.num_workers,
-            "loss": loss_sum / loss_steps,
-            "val_loss": val_loss,
-            "perplexity": math.exp(val_loss),
-            "seconds": time.perf_counter() - started,
-        }
-        print_report(record)
-        loss_sum, loss_steps = 0.0, 0
+        return float(loss.item())
+
+    report = print_report if args.rank == 0 else None
+    train_lm(args, lm, args.rank, args.num_workers, step, set_lr, lambda: lm.network, report)
     dist.barrier()
     dist.destroy_process_group()
 

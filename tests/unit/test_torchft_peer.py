@@ -1,10 +1,12 @@
-"""The torchft peer worker (:mod:`benchmarks.torchft_mnist`): its address helpers, the model it
-evaluates, and two workers training on loopback (skipped where torchft is not installed)."""
+"""The torchft peer's workers (:mod:`benchmarks.torchft_peer`, :mod:`benchmarks.torchft_mnist`,
+:mod:`benchmarks.torchft_charlm`): the address helpers, the model they evaluate, and two workers
+of each workload training on loopback (skipped where torchft is not installed)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import socket
 import subprocess
@@ -13,7 +15,8 @@ import sys
 import pytest
 
 from benchmarks.common import REPO
-from benchmarks.torchft_mnist import interface_of, lighthouse_url, parse_args, split_address
+from benchmarks.torchft_mnist import parse_args
+from benchmarks.torchft_peer import interface_of, lighthouse_url, split_address
 
 needs_torchft = pytest.mark.skipif(
     importlib.util.find_spec("torchft") is None, reason="torchft (the bench extra) not installed"
@@ -55,7 +58,7 @@ def test_parse_args_keeps_the_lighthouse_on_rank_0() -> None:
 
 def test_synced_model_takes_the_weights_only_after_a_sync() -> None:
     torch = pytest.importorskip("torch")
-    from benchmarks.torchft_mnist import SyncedModel
+    from benchmarks.torchft_peer import SyncedModel
 
     model = torch.nn.Linear(3, 2)
     syncs = [0]
@@ -83,20 +86,24 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-@needs_torchft
-@pytest.mark.parametrize("mode", ["diloco", "localsgd"])
-def test_two_workers_train_an_epoch_on_loopback_and_exit(mode: str) -> None:
+TINY_LM = ["--layers", "1", "--width", "32", "--heads", "4", "--context", "32",
+           "--steps", "6", "--eval-every", "3", "--warmup", "2", "--val-windows", "8"]  # fmt: skip
+"""A language model small enough to train six steps in seconds."""
+
+
+def _train_on_loopback(module: str, mode: str, training: list[str]) -> list[dict]:
+    """Two workers of ``module`` in ``mode`` syncing every 3 steps (MNIST: 8), on loopback;
+    worker 0's reports, once both exited 0 having said nothing else on stdout."""
     lighthouse, *ports = _free_ports(5)
     common = ["--num-workers", "2", "--host", "127.0.0.1", "--lighthouse",
-              f"127.0.0.1:{lighthouse}", "--mode", mode, "--sync-every", "8",
-              "--model", "mlp", "--epochs", "1"]  # fmt: skip
+              f"127.0.0.1:{lighthouse}", "--mode", mode, *training]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     workers = [
         subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "benchmarks.torchft_mnist",
+                module,
                 "--rank",
                 str(rank),
                 *common,
@@ -123,7 +130,25 @@ def test_two_workers_train_an_epoch_on_loopback_and_exit(mode: str) -> None:
                 worker.wait()
     for worker, (_, err) in zip(workers, outputs, strict=True):
         assert worker.returncode == 0, err[-3000:]
-    lines = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    assert not outputs[1][0].strip()  # only worker 0 reports
+    return [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+
+
+@needs_torchft
+@pytest.mark.parametrize("mode", ["diloco", "localsgd"])
+def test_two_workers_train_an_epoch_on_loopback_and_exit(mode: str) -> None:
+    training = ["--sync-every", "8", "--model", "mlp", "--epochs", "1"]
+    lines = _train_on_loopback("benchmarks.torchft_mnist", mode, training)
     assert [line["epoch"] for line in lines] == [1]
     assert lines[0]["accuracy"] > 0.3  # trained past chance (0.1) on the synced weights
-    assert not outputs[1][0].strip()  # only worker 0 reports
+
+
+@needs_torchft
+def test_two_workers_train_the_language_model_and_report_the_synced_model() -> None:
+    lines = _train_on_loopback("benchmarks.torchft_charlm", "diloco",
+                               ["--sync-every", "3", *TINY_LM])  # fmt: skip
+    assert [line["step"] for line in lines] == [3, 6]
+    assert [line["samples"] for line in lines] == [3 * 16 * 2, 6 * 16 * 2]
+    # the synced model after one and two outer steps: better than uniform bytes (256)
+    assert all(math.isfinite(line["perplexity"]) for line in lines)
+    assert lines[1]["perplexity"] < lines[0]["perplexity"] < 256

@@ -1,21 +1,26 @@
-"""The hivemind MNIST worker's helpers: the peer file by which workers find rank 0, its listen
-address, its choice of parameter averaging period and of hivemind's compression."""
+"""The hivemind peer's workers' helpers (:mod:`benchmarks.hivemind_peer`): the peer file by
+which workers find rank 0, the listen address, the choice of parameter averaging period and of
+hivemind's compression, the lockstep of rounds; and the workers' options."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from benchmarks.hivemind_mnist import (
+from benchmarks.common import REPO
+from benchmarks.hivemind_mnist import parse_args
+from benchmarks.hivemind_peer import (
     COMPRESSIONS,
     announce_batch,
     check_compression,
     compression_named,
     listen_maddr,
-    parse_args,
     read_peer_file,
     state_averaging_period,
     write_peer_file,
@@ -177,3 +182,39 @@ def test_announcing_gives_up_after_its_timeout() -> None:
 def test_lossless_and_half_precision_codecs_pass_the_check(name: str) -> None:
     pytest.importorskip("hivemind")
     check_compression(compression_named(name))
+
+
+@pytest.mark.parametrize("local_updates", [False, True])
+def test_two_workers_train_the_language_model_on_loopback(
+    tmp_path: Path, local_updates: bool
+) -> None:
+    pytest.importorskip("hivemind")
+    tiny = ["--layers", "1", "--width", "32", "--heads", "4", "--context", "32",
+            "--steps", "4", "--eval-every", "2", "--warmup", "1", "--val-windows", "8"]  # fmt: skip
+    common = ["--num-workers", "2", "--host", "127.0.0.1", "--peer-file",
+              str(tmp_path / "rank0"), "--compression", "fp16",
+              *(["--local-updates"] if local_updates else []), *tiny]  # fmt: skip
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.hivemind_charlm", "--rank", str(rank), *common],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    try:
+        outputs = [worker.communicate(timeout=300) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    for worker, (_, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+    lines = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    assert [line["step"] for line in lines] == [2, 4]
+    assert lines[-1]["hivemind_epoch"] == 4  # one collective round per step of every worker
+    assert lines[-1]["hivemind_peers"] == 2
+    assert lines[1]["perplexity"] < lines[0]["perplexity"] < 256  # better than uniform bytes
