@@ -367,6 +367,11 @@ class Codec(ABC):
     size already applied (the sketch codec scales its error accumulation by it, as FetchSGD
     does): the server then sets :attr:`Aggregator.step_size` before every finish, and its
     ``sgd`` moves the weights by ``w = (1 - lr * wd) * w - result``."""
+    encodes_whole_key: ClassVar[bool] = False
+    """True when the codec's key encoder selects over the whole key (its
+    :attr:`KeyEncoder.whole_key`): a chunk's payload then depends on the other chunks' values,
+    so one worker must encode every chunk of a key (hierarchical pushes give such a key's
+    chunks to one worker of the host, :mod:`kvstore.worker.host_group`)."""
     relays_round_result: ClassVar[bool] = False
     """True when a round's value is itself compact (:meth:`Aggregator.relay_frames`): a relayed
     pull then sends it instead of the round's pushes."""

@@ -23,10 +23,17 @@ def _cluster(
     servers: Sequence[str] | str | None,
     rank: int | None,
     num_workers: int | None,
+    local_rank: int | None = None,
+    local_size: int | None = None,
 ) -> ClusterConfig:
-    if servers is None and rank is None and num_workers is None:
+    given = (servers, rank, num_workers, local_rank, local_size)
+    if all(value is None for value in given):
         return ClusterConfig.from_env(env)
     merged = dict(env)
+    if local_rank is not None:
+        merged["KVSTORE_LOCAL_RANK"] = str(local_rank)
+    if local_size is not None:
+        merged["KVSTORE_LOCAL_SIZE"] = str(local_size)
     if servers is not None:
         merged["KVSTORE_SERVERS"] = servers if isinstance(servers, str) else ",".join(servers)
     if rank is not None:
@@ -48,6 +55,9 @@ def create(
     partition_bytes: int | None = None,
     pull_relay: bool | None = None,
     heartbeat_timeout: float | None = None,
+    local_rank: int | None = None,
+    local_size: int | None = None,
+    hierarchy: bool | None = None,
 ) -> KVStore:
     """Create a store and connect it to its servers.
 
@@ -74,6 +84,11 @@ def create(
         pull_relay: take relayed pulls of compressed rounds (``KVSTORE_PULL_RELAY``).
         heartbeat_timeout: a server silent this long is lost, 0: never
             (``KVSTORE_HEARTBEAT_TIMEOUT``; the servers read their own).
+        local_rank: this worker's rank among its host's workers (overrides
+            ``KVSTORE_LOCAL_RANK`` and ``LOCAL_RANK``).
+        local_size: k, the workers on each host (overrides ``KVSTORE_LOCAL_SIZE`` and
+            ``LOCAL_WORLD_SIZE``).
+        hierarchy: with k > 1, aggregate on the host first (``KVSTORE_HIERARCHY``).
 
     Raises:
         ValueError: unknown ``name`` (the message lists the valid ones).
@@ -106,13 +121,14 @@ def create(
         partition_bytes=partition_bytes,
         pull_relay=pull_relay,
         heartbeat_timeout=heartbeat_timeout,
+        hierarchy=hierarchy,
     )
     if mode == "local":
         if servers is not None or (num_workers not in (None, 1)) or rank not in (None, 0):
             raise ConfigError("the local mode runs one worker (rank 0) with its own server")
         _logging.configure_worker("worker 0")
         return _create_local(options)
-    cluster = _cluster(os.environ, servers, rank, num_workers)
+    cluster = _cluster(os.environ, servers, rank, num_workers, local_rank, local_size)
     # Before the store connects, so that its first records already go where they should.
     _logging.configure_worker(f"worker {cluster.rank}")
     return KVStore(mode, cluster, options)

@@ -70,6 +70,8 @@ class ClusterConfig:
     servers: tuple[str, ...]
     rank: int
     num_workers: int
+    local_rank: int = 0
+    local_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -81,6 +83,25 @@ class ClusterConfig:
                 f"rank {self.rank} is out of range for {self.num_workers} workers "
                 f"(KVSTORE_RANK must be in 0..{self.num_workers - 1})"
             )
+        if self.local_size < 1 or not 0 <= self.local_rank < self.local_size:
+            raise ConfigError(
+                f"local rank {self.local_rank} is out of range for {self.local_size} workers per "
+                f"host (KVSTORE_LOCAL_RANK must be in 0..KVSTORE_LOCAL_SIZE-1)"
+            )
+        if self.local_size > 1 and (
+            self.num_workers % self.local_size or self.rank % self.local_size != self.local_rank
+        ):
+            raise ConfigError(
+                f"rank {self.rank} of {self.num_workers} workers cannot be local rank "
+                f"{self.local_rank} of {self.local_size} per host: every host must run "
+                f"KVSTORE_LOCAL_SIZE workers, with consecutive ranks (host h: ranks "
+                f"h*{self.local_size}..h*{self.local_size}+{self.local_size - 1})"
+            )
+
+    @property
+    def host_index(self) -> int:
+        """Which host this worker is on, counting hosts in rank order (``rank // local_size``)."""
+        return self.rank // self.local_size
 
     @property
     def num_servers(self) -> int:
@@ -276,6 +297,9 @@ class WorkerOptions:
         timeout: longest wait of a blocking call in seconds; ``None`` waits forever.
         connect_timeout: longest wait for the servers' handshake replies, in seconds.
         pull_relay: offer to take relayed pulls (a round's compressed pushes, summed here).
+        hierarchy: with several workers per host (``ClusterConfig.local_size`` > 1), sum each
+            push on the host first and fetch each pull once per host
+            (:mod:`kvstore.worker.host_group`); False: every worker exchanges on its own.
         allow_nonfinite: push NaN and infinities as they are, unchecked; False: a push of float
             values holding any raises :class:`~kvstore.errors.NonFiniteError` and sends nothing.
         push_lead: unanswered pushes per server connection, at most (0: no limit; None: the
@@ -301,6 +325,7 @@ class WorkerOptions:
     timeout: float | None = None
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     pull_relay: bool = True
+    hierarchy: bool = True
     push_lead: int | None = None
     push_tos: int | None = None
     send_queue_ms: float = 0.0

@@ -293,6 +293,32 @@ ENV_VARS: tuple[EnvVar, ...] = (
         fallback="WORLD_SIZE",
     ),
     EnvVar(
+        "KVSTORE_LOCAL_RANK",
+        "int",
+        "0",
+        "worker",
+        "This worker's rank among the workers of its host, 0..k-1 (`kvstore-launch "
+        "--workers-per-host k` sets it). The host's workers must be global ranks "
+        "host x k .. host x k + k-1.",
+        parse=Integer(minimum=0),
+        field="local_rank",
+        read_by=(CLUSTER_CONFIG,),
+        fallback="LOCAL_RANK",
+    ),
+    EnvVar(
+        "KVSTORE_LOCAL_SIZE",
+        "int",
+        "1",
+        "worker",
+        "k, the number of workers on this worker's host, the same on every host. With k > 1 "
+        "the host's workers sum each push in shared memory, each pushes a 1/k share of the "
+        "host's sum, and each pull is fetched once per host (`KVSTORE_HIERARCHY`).",
+        parse=Integer(minimum=1),
+        field="local_size",
+        read_by=(CLUSTER_CONFIG,),
+        fallback="LOCAL_WORLD_SIZE",
+    ),
+    EnvVar(
         "KVSTORE_BIGARRAY_BOUND",
         "int",
         "1000000",
@@ -467,6 +493,18 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "link; 0 keeps a fixed window of twice KVSTORE_PARTITION_BYTES.",
         parse=Number(minimum=0.0),
         field="send_queue_ms",
+        read_by=(WORKER_OPTIONS,),
+    ),
+    EnvVar(
+        "KVSTORE_HIERARCHY",
+        "0 or 1",
+        "1",
+        "worker",
+        "With several workers per host (`KVSTORE_LOCAL_SIZE` > 1), aggregate on the host first: "
+        "one host's worth of bytes crosses its link whatever k is. 0: every worker pushes and "
+        "pulls on its own, as if alone on its host. Must be equal on all workers.",
+        parse=parse_switch,
+        field="hierarchy",
         read_by=(WORKER_OPTIONS,),
     ),
     EnvVar(
@@ -657,6 +695,21 @@ TORCHRUN_ENV_VARS: tuple[EnvVar, ...] = (
         "(set by torchrun)",
         "worker",
         "torchrun's world size: N where `KVSTORE_NUM_WORKERS` is not set.",
+    ),
+    EnvVar(
+        "LOCAL_RANK",
+        "int",
+        "(set by torchrun)",
+        "worker",
+        "torchrun's rank within the node: this worker's local rank where `KVSTORE_LOCAL_RANK` "
+        "is not set.",
+    ),
+    EnvVar(
+        "LOCAL_WORLD_SIZE",
+        "int",
+        "(set by torchrun)",
+        "worker",
+        "torchrun's `--nproc-per-node`: k where `KVSTORE_LOCAL_SIZE` is not set.",
     ),
 )
 """Variables that ``torchrun`` (and other PyTorch launchers) set and that a worker reads in place

@@ -259,6 +259,9 @@ class HelloFields:
     partition_bytes: int | None = _wire("pb", UINT, optional=True)
     """The worker's ``KVSTORE_PARTITION_BYTES``, which bounds its largest message: the server
     refuses a worker whose messages could exceed its limit (:mod:`kvstore.topology`)."""
+    pushers_per_host: int | None = _wire("ph", UINT, optional=True)
+    """How many workers of a host push its sum (k, with hierarchical aggregation: each chunk
+    of a round is then pushed once per host, N/k pushes; None: 1, every worker pushes)."""
 
 
 @dataclass(slots=True)

@@ -281,7 +281,12 @@ class ChunkState:
         self.updates += 1
 
     def apply_average(
-        self, pushed: np.ndarray, num_workers: int, running: bool, out: np.ndarray
+        self,
+        pushed: np.ndarray,
+        num_workers: int,
+        running: bool,
+        out: np.ndarray,
+        workers_per_push: int = 1,
     ) -> None:
         """Write the value of an averaged chunk after this update into ``out`` (runs on an
         executor thread); the server optimizer plays no part.
@@ -289,15 +294,18 @@ class ChunkState:
         ``running=False`` (``dist_sync`` and ``local``; ``pushed`` is the sum of the round's N
         decoded pushes): the mean, ``sum / N``. ``running=True`` (``dist_async``; ``pushed``
         is one worker's decoded push): the value moves 1/N of the way to it,
-        ``w + (push - w) / N``, a running mean of the workers' pushes. Both are computed in
-        the accumulator dtype (into the master copy of a float16 chunk), in that order of
-        operations, so a test can compute the same bits.
+        ``w + (push - w) / N``, a running mean of the workers' pushes; a push that sums a
+        host's ``workers_per_push`` workers (hierarchical aggregation) counts as theirs,
+        ``w + (push - k w) / N``. Both are computed in the accumulator dtype (into the master
+        copy of a float16 chunk), in that order of operations, so a test can compute the same
+        bits.
         """
         assert self.value is not None
         target = out if self.master is None else self.master
         if running:
             current = self.value.current if self.master is None else self.master
-            step = np.subtract(pushed, current, out=out if self.master is None else None)
+            counted = current if workers_per_push == 1 else current * workers_per_push
+            step = np.subtract(pushed, counted, out=out if self.master is None else None)
             step /= num_workers
             np.add(current, step, out=target)
         else:

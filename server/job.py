@@ -49,6 +49,9 @@ class Job:
     """State of the job the server currently serves (reset when all workers left)."""
 
     mode: str | None = None
+    # workers per host that share one push of each chunk (hierarchical aggregation, set by
+    # the first hello): a dist_sync round is num_workers // workers_per_push pushes
+    workers_per_push: int | None = None
     sessions: dict[bytes, int] = field(default_factory=dict)  # identity -> rank
     lanes: dict[bytes, int] = field(default_factory=dict)  # identity -> lane
     ranks: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (rank, lane) -> identity

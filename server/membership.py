@@ -114,6 +114,21 @@ class Membership:
             raise RequestError(
                 ErrorCode.MODE_MISMATCH, "the local mode needs a server for exactly one worker"
             )
+        per_push = hello.pushers_per_host or 1
+        if cfg.num_workers % per_push:
+            raise RequestError(
+                ErrorCode.CLUSTER_MISMATCH,
+                f"worker rank {rank} says its host's {per_push} workers share each push, but "
+                f"{cfg.num_workers} workers do not make whole hosts of {per_push}",
+            )
+        if job.workers_per_push is not None and per_push != job.workers_per_push:
+            raise RequestError(
+                ErrorCode.CLUSTER_MISMATCH,
+                f"worker rank {rank} says its host's {per_push} worker(s) share each push but "
+                f"the job's other workers said {job.workers_per_push}: every host must run the "
+                f"same number of workers (KVSTORE_LOCAL_SIZE), and KVSTORE_HIERARCHY must be "
+                f"the same on every worker",
+            )
         if job.mode is not None and mode != job.mode:
             ranks = sorted({r for r, _ in job.ranks})
             raise RequestError(
@@ -136,6 +151,7 @@ class Membership:
                 f"every worker needs its own KVSTORE_RANK{released}",
             )
         job.mode = mode
+        job.workers_per_push = per_push
         job.sessions[identity] = rank
         job.lanes[identity] = lane
         job.ranks[(rank, lane)] = identity

@@ -131,8 +131,13 @@ class Rounds:
                 )
                 chunk.round_error = chunk.round_error or exc
             chunk.accumulated += 1
-            if chunk.accumulated == self._state.config.num_workers:
+            if chunk.accumulated == self._pushes_per_round():
                 await self._complete_round(chunk)
+
+    def _pushes_per_round(self) -> int:
+        """The pushes of a chunk that make a dist_sync round: one per worker, or one per host
+        where each host's workers sum their pushes first (hierarchical aggregation)."""
+        return self._state.config.num_workers // (self._state.job.workers_per_push or 1)
 
     async def _complete_round(self, chunk: ChunkState) -> None:
         replies, error = chunk.round_replies, chunk.round_error
@@ -208,8 +213,11 @@ class Rounds:
         if chunk.spec.averaged:
             running = self._state.job.mode == "dist_async"
             num_workers = self._state.config.num_workers
+            per_push = self._state.job.workers_per_push or 1
             out = chunk.value.spare()
-            work: tuple[Any, ...] = (chunk.apply_average, grad, num_workers, running, out)
+            work: tuple[Any, ...] = (
+                chunk.apply_average, grad, num_workers, running, out, per_push
+            )  # fmt: skip
         else:
             optimizer = self._state.job.optimizer
             if optimizer is not None and not chunk.spec.dtype.startswith("float"):

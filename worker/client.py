@@ -43,6 +43,8 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from kvstore._malloc import tune_malloc
 from kvstore.codecs import Codec, codec_from_spec
 from kvstore.codecs.identity import IdentityCodec
@@ -64,6 +66,7 @@ from kvstore.worker import prefetch
 from kvstore.worker import values as vals
 from kvstore.worker.checkpoint_protocol import CheckpointProtocol
 from kvstore.worker.compressed_pulls import ask_for_compressed_pulls, held_weights
+from kvstore.worker.host_group import HostGroup
 from kvstore.worker.keys import (
     KeyArg,
     KeyState,
@@ -143,6 +146,16 @@ class KVStore:
             if metrics is not None:
                 metrics.close()
             raise
+        # The host's other workers, where they aggregate first (kvstore.worker.host_group).
+        self._host: HostGroup | None = None
+        if mode != "local" and cluster.local_size > 1 and self._options.hierarchy:
+            try:
+                self._host = HostGroup(cluster, self._options.connect_timeout)
+            except BaseException:
+                transport.close()
+                if metrics is not None:
+                    metrics.close()
+                raise
         # What the parts share.
         self._shared = StoreState(
             mode,
@@ -154,6 +167,7 @@ class KVStore:
             TrafficStats(),
             {},
             metrics,
+            workers_per_push=cluster.local_size if self._host is not None else 1,
         )
         self._pushes = Pushes(self._shared)
         self._pulls = Pulls(self._shared, self._pushes)
@@ -174,6 +188,8 @@ class KVStore:
     def _shutdown_transport(self) -> None:
         try:
             self._shared.transport.close()
+            if self._host is not None:
+                self._host.close()
         finally:
             self._close_metrics()
             if self._on_close is not None:
@@ -391,7 +407,20 @@ class KVStore:
                     )
                 state.averaged = averaged
                 state.held = held_weights(pull_codec, state.dtype, state.chunks)
+                if self._host is not None:  # this worker's share of its host's chunks
+                    state.exchanged = frozenset(
+                        self._host.plan(
+                            k,
+                            state.chunks,
+                            np.dtype(state.dtype).itemsize,
+                            state.codec.encodes_whole_key,
+                        )
+                    )
                 states.append((state, v))
+            if self._host is not None:
+                deadline = self._deadline()
+                for state, _ in states:
+                    self._host.add_key(state.key, state.numel, state.dtype, deadline)
             requests = []
             for state, v in states:
                 source = vals.host_copy(vals.flat_source(v)) if self.rank == 0 else None
@@ -419,11 +448,12 @@ class KVStore:
                         )
                     )
             wait_all(requests, self._options.timeout)
+            pushes_per_round = self.num_workers // self._shared.workers_per_push
             for state, _ in states:
                 # (an averaged key's value is the mean, not the sum a relayed pull redoes)
                 relays = self._options.pull_relay and not state.averaged
                 state.ready(
-                    [relay_limit(relays, self.num_workers, state, chunk) for chunk in state.chunks]
+                    [relay_limit(relays, pushes_per_round, state, chunk) for chunk in state.chunks]
                 )
                 self._shared.keys[state.key] = state
 
@@ -483,6 +513,11 @@ class KVStore:
             state.check_value(v, "value")
         self._pushes.refuse_nonfinite([(state, v) for state, v in work])
         deadline = self._deadline()  # (for the chunks' previous pushes, over the whole call)
+        if self._host is not None:
+            for state, v in work:  # the host's sum, of which this worker pushes its share
+                total = self._host.host_sum(state.key, v, deadline)
+                self._pushes.send(state, total, Op.PUSH, priority, deadline=deadline)
+            return
         for state, v in work:
             # (see kvstore.worker.prefetch; KVSTORE_VALUE_PREFETCH=0 turns it off)
             ask = prefetch.asks_for_values(state, self.type) and self._options.value_prefetch
@@ -509,11 +544,34 @@ class KVStore:
         for state, o in work:
             state.check_value(o, "out")
         deadline = self._deadline()
+        if self._host is not None:
+            self._pull_for_host(work, priority, deadline)
+            return
         pending = []
         for state, o in work:
             landing = Landing(state, o, self._shared.stats)
             pending.append((landing, self._pulls.requests(state, landing, priority)))
         self._pulls.receive(pending, deadline)
+
+    def _pull_for_host(
+        self, work: list[tuple[KeyState, Any]], priority: int, deadline: Deadline
+    ) -> None:
+        """A pull with hierarchical aggregation: this worker fetches its share of the host's
+        chunks into the host's shared result, and once every share landed copies the whole
+        key into ``out`` (:mod:`kvstore.worker.host_group`)."""
+        assert self._host is not None
+        pending = []
+        for state, _ in work:
+            shared = self._host.pull_into(state.key, deadline)
+            landing = Landing(state, shared, self._shared.stats)
+            pending.append((landing, self._pulls.submit(state, landing, priority)))
+        failed: KVStoreError | None = None
+        try:
+            self._pulls.receive(pending, deadline)
+        except KVStoreError as exc:  # the host's other workers are told, then it is raised
+            failed = exc
+        for state, o in work:
+            self._host.pulled(state.key, o, deadline, failed)
 
     def pushpull(
         self, key: KeyArg, value: Any, out: Any = None, priority: int = 0, *, borrow: bool = False
@@ -533,6 +591,12 @@ class KVStore:
             state.check_value(o, "out")
         self._pushes.refuse_nonfinite([(state, v) for state, v, _ in work])
         deadline = self._deadline()
+        if self._host is not None:  # the host's push, then its pull
+            for state, v, _ in work:
+                total = self._host.host_sum(state.key, v, deadline)
+                self._pushes.send(state, total, Op.PUSH, priority, deadline=deadline)
+            self._pull_for_host([(state, o) for state, _, o in work], priority, deadline)
+            return
         pending = []
         for state, v, o in work:
             prefetch.reset(state)  # a pushpull is a push, and its own pull

@@ -63,6 +63,9 @@ class KeyState:
     # the key's pulls are dense)
     held: list[HeldWeights] | None = None
     send_order: tuple[Chunk, ...] = ()  # the chunks in push order (see interleaved_order)
+    # With hierarchical aggregation (kvstore.worker.host_group), the indices of the chunks
+    # this worker pushes and pulls for its host; None: all of them.
+    exchanged: frozenset[int] | None = None
     # Value prefetch (kvstore.worker.prefetch): whether this key's pushes are followed by a
     # pull, and the requests of the last push that asked for the values (per chunk), not yet
     # pulled.
@@ -80,6 +83,14 @@ class KeyState:
         if self.held is not None:
             return None, self.held[chunk.index].version
         return self.relay_limits[chunk.index] or None, None
+
+    @property
+    def own_chunks(self) -> tuple[Chunk, ...]:
+        """The chunks this worker exchanges with the servers itself, in chunk order: all of
+        them, or its share of its host's (:attr:`exchanged`)."""
+        if self.exchanged is None:
+            return self.chunks
+        return tuple(chunk for chunk in self.chunks if chunk.index in self.exchanged)
 
     @property
     def numel(self) -> int:
@@ -113,7 +124,8 @@ class KeyState:
         self.last_push = [None] * len(self.chunks)
         self.pushes_sent = [0] * len(self.chunks)
         self.relay_limits = relay_limits
-        self.send_order = interleaved_order(self.chunks)
+        own = self.own_chunks
+        self.send_order = tuple(c for c in interleaved_order(self.chunks) if c in own)
 
 
 def plan_key(

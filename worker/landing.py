@@ -46,9 +46,11 @@ class Landing:
         self.itemsize = self.dtype.itemsize
         self.on_io_thread = not self.target.on_gpu
         self.stats = stats
-        self._remaining = len(state.chunks)
+        self._remaining = len(state.own_chunks)
         self._lock = threading.Lock()
         self.all_arrived = threading.Event()
+        if not self._remaining:  # (a worker of a host whose share has none of the key's chunks)
+            self.all_arrived.set()
         self.errors: list[BaseException] = []
 
     def callback(self, chunk: Chunk) -> Callable[[Request], None] | None:

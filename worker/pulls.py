@@ -49,7 +49,8 @@ class Pulls:
         return self.submit(state, landing, priority)
 
     def submit(self, state: KeyState, landing: Landing, priority: int) -> list[Request]:
-        """A pull of every chunk of ``state``, following every push sent so far."""
+        """A pull of every chunk of ``state`` this worker exchanges (:attr:`KeyState.own_chunks`),
+        following every push sent so far."""
         return [
             self._store.transport.submit(
                 chunk.server,
@@ -60,7 +61,7 @@ class Pulls:
                 what=f"pull of key {state.key!r} chunk {chunk.index}",
                 on_done=landing.callback(chunk),
             )
-            for chunk in state.chunks
+            for chunk in state.own_chunks
         ]
 
     def receive(self, pending: Iterable[tuple[Landing, list[Request]]], deadline: Deadline) -> None:
@@ -88,7 +89,7 @@ class Pulls:
                 for error in landing.errors:
                     first_error = first_error or error
             else:
-                for chunk, request in zip(state.chunks, requests, strict=True):
+                for chunk, request in zip(state.own_chunks, requests, strict=True):
                     try:
                         waited = time.perf_counter()
                         reply = request.wait(deadline)

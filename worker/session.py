@@ -46,6 +46,7 @@ def handshake(store: StoreState, servers: Sequence[str]) -> None:
                 lane=lane,
                 # the server refuses us here if our chunks could exceed its message limit
                 partition_bytes=store.options.partition_bytes,
+                pushers_per_host=store.workers_per_push if store.workers_per_push > 1 else None,
             ),
             what=f"handshake with server {server} ({address})",
             lane=lane,

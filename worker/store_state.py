@@ -35,6 +35,8 @@ class StoreState:
         keys: the initialised keys.
         metrics: the Prometheus metrics until the store closes (None: none).
         optimizer: the servers' optimizer, as set or restored (None: none).
+        workers_per_push: how many workers of this worker's host share each push of a chunk
+            (k with hierarchical aggregation, :mod:`kvstore.worker.host_group`; else 1).
     """
 
     mode: str
@@ -47,6 +49,7 @@ class StoreState:
     keys: dict[Key, KeyState]
     metrics: WorkerMetrics | None = None
     optimizer: OptimizerSpec | None = None
+    workers_per_push: int = 1
 
     def deadline(self) -> Deadline:
         """The deadline of a blocking call starting now: ``KVSTORE_TIMEOUT`` bounds each call

@@ -337,6 +337,7 @@ class SparseCodec(Codec):
 
     dtypes = frozenset({"float32"})
     relayable = True
+    encodes_whole_key: ClassVar[bool] = True  # (selection over the key: SparseKeyEncoder)
     state_names: ClassVar[tuple[str, ...]] = ("residual",)
     """The encoder's per-element state arrays; the last one is what selection reads, sends
     and zeroes (``r``, or DGC's ``v``)."""

@@ -1,0 +1,375 @@
+"""Hierarchical aggregation: the k workers of one host sum their pushes in shared memory, each
+exchanges a 1/k share of the host's sum with the servers, and each pull is fetched once per host.
+
+Where a host runs several workers (one per GPU, ``KVSTORE_LOCAL_SIZE`` = k > 1), pushing every
+worker's gradient through the host's one link would carry k times what it must. Instead
+(MXNet's ``dist_device_sync``, BytePS):
+
+1. **Push.** Each worker writes its value into its slot of the key's shared-memory segment; once
+   all k have, each sums a 1/k slice of the key's elements over the k slots, in local-rank
+   order, into the segment's sum (a reduce-scatter; no bulk bytes through any socket); once all
+   k have, the owner of each chunk encodes it from the sum, with its own residual for that
+   chunk, and pushes it. Every chunk is owned by one worker of the host
+   (:meth:`HostGroup.plan`): chunks go to the least loaded worker, in init order, so each
+   pushes about 1/k of the host's bytes; a key whose codec selects over the whole key
+   (top-k and its family, :attr:`kvstore.codecs.Codec.encodes_whole_key`) goes whole to one.
+2. **Pull.** Once all k are in the pull, each owner pulls its chunks into the segment's result;
+   once all have landed, every worker copies the whole key into its ``out``.
+
+The servers count one push per host and chunk (N/k pushes make a ``dist_sync`` round,
+:class:`kvstore.wire.HelloFields`), so a round is still the sum over all N workers, and every
+worker pulls the same values. ``KVSTORE_HIERARCHY=0`` turns it off.
+
+The workers of a host meet through ZeroMQ ``ipc://`` sockets in a private folder: one small
+message from each to each per step of the protocol, never a value. While a worker waits to
+meet the others it checks that they are alive: a local worker that died makes the call raise
+:class:`~kvstore.errors.WorkerLostError` naming it, and a local worker whose call failed (an
+owner's pull that got an error) passes the error on, so no worker of the host hangs. The
+segments are unlinked as soon as every worker of the host has mapped them, so none outlives
+the job, however it ends.
+
+Every worker of a host must make the same calls with the same keys in the same order (as
+collective calls), which a training loop does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvstore.config import ClusterConfig
+from kvstore.errors import KVStoreError, KVStoreTimeoutError, ServerLostError, WorkerLostError
+from kvstore.topology import WORD_ELEMS, Chunk, Key
+from kvstore.worker import values as vals
+from kvstore.worker.request import Deadline
+
+logger = logging.getLogger(__name__)
+
+_CHECK_PEERS_EVERY = 0.5
+"""Seconds between two checks that the host's other workers are alive, while waiting for them."""
+
+
+def group_tag(servers: Sequence[str], host_index: int) -> str:
+    """A name for one host's group of one job: the same on the host's workers (they read the
+    same server addresses), different for another job or host."""
+    digest = hashlib.sha256(f"{','.join(servers)}|{host_index}".encode()).hexdigest()
+    return digest[:16]
+
+
+def reduce_slice(numel: int, parts: int, part: int) -> tuple[int, int]:
+    """Elements ``[start, stop)`` that worker ``part`` of ``parts`` sums: contiguous slices on
+    16-element boundaries (the last one takes the rest), so that slices never share a cache
+    line of a 2-bit word's elements."""
+    words = -(-numel // WORD_ELEMS)
+    per = -(-words // parts)
+    start = min(numel, part * per * WORD_ELEMS)
+    stop = min(numel, (part + 1) * per * WORD_ELEMS)
+    return start, stop
+
+
+@dataclass
+class HostKey:
+    """One key's shared memory and counters on this worker.
+
+    Attributes:
+        index: the key's place in the group's init order (the same on every worker of the host).
+        slots: each local worker's last push, ``(k, numel)``.
+        sum: the host's sum of the last push.
+        result: the last pull's values, written by each chunk's owner.
+        pushes, pulls: calls made so far.
+    """
+
+    index: int
+    segment: shared_memory.SharedMemory
+    slots: np.ndarray
+    sum: np.ndarray
+    result: np.ndarray
+    pushes: int = 0
+    pulls: int = 0
+
+    def release(self) -> None:
+        """Unmap the segment (the arrays must go first: they hold its buffer)."""
+        del self.slots, self.sum, self.result
+        self.segment.close()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # not Linux, or gone just now: the next check tells
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+class HostGroup:
+    """This worker's place among its host's k workers (see the module's docstring).
+
+    Args:
+        cluster: the worker's place in the job (``local_size`` > 1).
+        connect_timeout: seconds to wait for the host's other workers to appear.
+    """
+
+    def __init__(self, cluster: ClusterConfig, connect_timeout: float) -> None:
+        self.size = cluster.local_size
+        self.local_rank = cluster.local_rank
+        self.first_rank = cluster.rank - cluster.local_rank
+        self.tag = group_tag(cluster.servers, cluster.host_index)
+        self._folder = Path(tempfile.gettempdir()) / f"pskv-{self.tag}"
+        self._folder.mkdir(mode=0o700, exist_ok=True)
+        self._context = zmq.Context()
+        self._inbox = self._context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._outboxes: dict[int, zmq.Socket] = {}
+        self._arrived: dict[tuple[Any, ...], dict[int, Any]] = {}
+        self._pids: dict[int, int] = {}
+        self._keys: dict[Key, HostKey] = {}
+        self._load = [0] * self.size  # bytes of the chunks each local worker pushes
+        self._closed = False
+        try:
+            self._inbox.bind(self._address(self.local_rank))
+            for peer in self._peers():
+                outbox = self._context.socket(zmq.PUSH)
+                outbox.setsockopt(zmq.LINGER, 1000)
+                outbox.connect(self._address(peer))
+                self._outboxes[peer] = outbox
+            self._meet_everyone(connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # the group -------------------------------------------------------------------------------
+
+    def _address(self, local_rank: int) -> str:
+        return f"ipc://{self._folder}/worker-{local_rank}"
+
+    def _peers(self) -> list[int]:
+        return [peer for peer in range(self.size) if peer != self.local_rank]
+
+    def _rank_of(self, local_rank: int) -> int:
+        return self.first_rank + local_rank
+
+    def _meet_everyone(self, timeout: float) -> None:
+        """Learn the host's other workers' pids (one hello each), within ``timeout`` s."""
+        self._send(("hello",), str(os.getpid()))
+        deadline = Deadline(timeout)
+        hellos = self._wait(("hello",), deadline, check_peers=False)
+        self._pids = {peer: int(pid or 0) for peer, pid in hellos.items()}
+
+    def _send(self, tag: tuple[Any, ...], note: Any = None) -> None:
+        message = msgpack.packb([list(tag), self.local_rank, note])
+        for outbox in self._outboxes.values():
+            outbox.send(message)
+
+    def _wait(
+        self, tag: tuple[Any, ...], deadline: Deadline, check_peers: bool = True
+    ) -> dict[int, Any]:
+        """Wait until every other worker of the host sent ``tag``; what each noted with it."""
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        while len(self._arrived.get(tag, ())) < self.size - 1:
+            remaining = deadline.remaining()
+            if remaining is not None and remaining <= 0:
+                missing = sorted(set(self._peers()) - set(self._arrived.get(tag, {})))
+                raise KVStoreTimeoutError(
+                    f"the workers of rank(s) {[self._rank_of(p) for p in missing]} on this "
+                    f"host did not reach {_describe(tag)} within {deadline.timeout} s "
+                    f"(KVSTORE_TIMEOUT; every worker of a host must make the same calls)"
+                )
+            wait = _CHECK_PEERS_EVERY if remaining is None else min(remaining, _CHECK_PEERS_EVERY)
+            if poller.poll(round(wait * 1000)):
+                while True:
+                    try:
+                        raw = self._inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    got, sender, note = msgpack.unpackb(raw)
+                    self._arrived.setdefault(tuple(got), {})[sender] = note
+            elif check_peers:
+                self._check_peers(tag)
+        return self._arrived.pop(tag)
+
+    def _check_peers(self, tag: tuple[Any, ...]) -> None:
+        for peer, pid in self._pids.items():
+            if peer not in self._arrived.get(tag, {}) and pid and not _alive(pid):
+                raise WorkerLostError(
+                    f"worker rank {self._rank_of(peer)} (local rank {peer} on this host, pid "
+                    f"{pid}) died while this worker waited for it at {_describe(tag)}",
+                    rank=self._rank_of(peer),
+                )
+
+    def meet(
+        self, tag: tuple[Any, ...], deadline: Deadline, failed: BaseException | None = None
+    ) -> None:
+        """Wait until every worker of the host reached ``tag`` (a barrier of the host); a worker
+        that reached it having ``failed`` says why, and every worker then raises (this one its
+        own error).
+
+        Raises:
+            WorkerLostError: another worker of the host died before it got there.
+            KVStoreTimeoutError: one did not get there by ``deadline``.
+            KVStoreError: one failed on the way (naming it and what it said).
+        """
+        note = None
+        if failed is not None:
+            who = getattr(failed, "rank", getattr(failed, "server", None))  # (a lost peer's)
+            note = [type(failed).__name__, str(failed), who]
+        self._send(tag, note)
+        notes = self._wait(tag, deadline)
+        if failed is not None:
+            raise failed
+        for peer, said in sorted(notes.items()):
+            if said is not None:
+                raise _peer_error(said, f"worker rank {self._rank_of(peer)} of this host failed "
+                                        f"at {_describe(tag)}")  # fmt: skip
+
+    # keys ------------------------------------------------------------------------------------
+
+    def plan(self, key: Key, chunks: Sequence[Chunk], itemsize: int, whole: bool) -> set[int]:
+        """Which of a key's chunks this worker pushes and pulls: each to the local worker with
+        the fewest bytes so far (ties: the lowest local rank), or with ``whole`` all of them to
+        one. Every worker of the host plans the same, as they init the same keys in order."""
+        owned: set[int] = set()
+        groups = [list(chunks)] if whole else [[chunk] for chunk in chunks]
+        for group in groups:
+            owner = min(range(self.size), key=lambda r: (self._load[r], r))
+            self._load[owner] += sum(chunk.numel for chunk in group) * itemsize
+            if owner == self.local_rank:
+                owned.update(chunk.index for chunk in group)
+        return owned
+
+    def add_key(self, key: Key, numel: int, dtype: str, deadline: Deadline) -> None:
+        """Map the key's segment: local worker 0 makes it, the others open it, and once all have
+        it is unlinked (it lives while a worker maps it)."""
+        index = len(self._keys)
+        nbytes = max(1, (self.size + 2) * numel * np.dtype(dtype).itemsize)
+        name = f"pskv-{self.tag}-{os.getpid() if self.local_rank == 0 else 0}-{index}"
+        failed: BaseException | None = None
+        segment = None
+        if self.local_rank == 0:
+            try:
+                segment = shared_memory.SharedMemory(name, create=True, size=nbytes)
+            except OSError as exc:
+                failed = KVStoreError(
+                    f"cannot make {nbytes} bytes of shared memory for key {key!r} (in "
+                    f"/dev/shm; a container may need a larger --shm-size): {exc}"
+                )
+            self._send(("made", index), name if failed is None else None)
+            if failed is not None:
+                raise failed
+        else:
+            made = self._wait(("made", index), deadline)
+            name = made.get(0) or ""
+            if not name:
+                raise KVStoreError(f"local worker 0 could not make key {key!r}'s shared memory")
+            segment = shared_memory.SharedMemory(name)
+            if self._pids.get(0) != os.getpid():
+                # the maker unlinks it: this process's tracker must not try again at exit
+                resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+        assert segment is not None
+        try:
+            self.meet(("mapped", index), deadline)
+        finally:
+            if self.local_rank == 0:
+                segment.unlink()
+        table = np.ndarray((self.size + 2, numel), dtype=dtype, buffer=segment.buf)
+        self._keys[key] = HostKey(index, segment, table[: self.size], table[self.size],
+                                  table[self.size + 1])  # fmt: skip
+
+    # push and pull ---------------------------------------------------------------------------
+
+    def host_sum(self, key: Key, value: Any, deadline: Deadline) -> np.ndarray:
+        """This worker's push of ``value`` summed with its host's others': the host's sum of
+        the whole key, valid until this worker's next call of the key."""
+        held = self._keys[key]
+        held.pushes += 1
+        failed: BaseException | None = None
+        try:
+            source = vals.host_copy(vals.flat_source(value))
+            np.copyto(held.slots[self.local_rank], source, casting="no")
+        except BaseException as exc:  # the others must not wait for this slot
+            failed = exc
+        self.meet((held.index, "written", held.pushes), deadline, failed)
+        start, stop = reduce_slice(held.sum.size, self.size, self.local_rank)
+        region = held.sum[start:stop]
+        np.copyto(region, held.slots[0, start:stop])
+        for slot in held.slots[1:]:
+            np.add(region, slot[start:stop], out=region)
+        self.meet((held.index, "summed", held.pushes), deadline)
+        return held.sum
+
+    def pull_into(self, key: Key, deadline: Deadline) -> np.ndarray:
+        """Begin a pull of ``key``: once every worker of the host is in it, the array the
+        owners land their chunks in."""
+        held = self._keys[key]
+        held.pulls += 1
+        self.meet((held.index, "pull", held.pulls), deadline)
+        return held.result
+
+    def pulled(
+        self, key: Key, out: Any, deadline: Deadline, failed: BaseException | None = None
+    ) -> None:
+        """End a pull of ``key``: once every owner's chunks landed, copy the whole key into
+        ``out`` (unless this worker's or another's part ``failed``: raises it)."""
+        held = self._keys[key]
+        self.meet((held.index, "landed", held.pulls), deadline, failed)
+        target = vals.FlatTarget(out)
+        target.write(0, held.result.size, held.result)
+        target.finish()
+
+    def close(self) -> None:
+        """Unmap the segments and close the sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for held in self._keys.values():
+            held.release()
+        self._keys.clear()
+        for socket in [self._inbox, *self._outboxes.values()]:
+            socket.close(linger=0)
+        self._context.term()
+        try:
+            Path(self._address(self.local_rank).removeprefix("ipc://")).unlink(missing_ok=True)
+            self._folder.rmdir()  # (the last worker out removes it)
+        except OSError:
+            pass
+
+
+def _peer_error(note: Any, where: str) -> KVStoreError:
+    """The error another worker of the host reported (``[class name, message, rank of the
+    lost peer]``), as this worker's: a lost worker or server stays one (with its rank), anything
+    else is a :class:`~kvstore.errors.KVStoreError` saying where it happened."""
+    name, message, who = note
+    if name == "WorkerLostError":
+        return WorkerLostError(f"{where}: {message}", rank=who)
+    if name == "ServerLostError":
+        return ServerLostError(f"{where}: {message}", server=who)
+    return KVStoreError(f"{where}: {name}: {message}")
+
+
+def _describe(tag: tuple[Any, ...]) -> str:
+    """A step of the protocol, in words."""
+    if len(tag) == 3:
+        index, step, count = tag
+        return f"step {step!r} of call {count} of the host's key #{index}"
+    return f"{tag[0]!r}" + (f" of the host's key #{tag[1]}" if len(tag) > 1 else "")
+
+
+__all__ = ["HostGroup", "HostKey", "group_tag", "reduce_slice"]
