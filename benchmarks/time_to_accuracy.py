@@ -34,12 +34,13 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
   a plain average (outer SGD, learning rate 1, no momentum: error feedback in its place);
 * ``diloco-topk-2bit``: ``topk2bit`` 10% both ways (top-k, the kept values in 2 bits), the
   outer step a plain average;
-* ``torchft-diloco``: torchft's DiLoCo (:mod:`benchmarks.torchft_mnist`) at the same H and
-  outer Nesterov SGD as ``diloco``, on gloo, with its lighthouse on worker 0's host; it reports
-  the last synced model's accuracy;
+* ``torchft-diloco``: torchft's DiLoCo (:mod:`benchmarks.torchft_mnist`, set up as
+  :mod:`benchmarks.torchft_peer` says) at the same H and outer Nesterov SGD as ``diloco``, on
+  gloo, with its lighthouse on worker 0's host; it reports the last synced model's accuracy;
 * ``torchft-localsgd``: torchft's LocalSGD (the workers' models averaged every H = 31 steps);
-* ``hivemind-fp16``, ``hivemind-uint8``: ``hivemind.Optimizer`` (:mod:`benchmarks.hivemind_mnist`)
-  averaging every step's gradients, compressed by its ``Float16Compression`` or
+* ``hivemind-fp16``, ``hivemind-uint8``: ``hivemind.Optimizer``
+  (:mod:`benchmarks.hivemind_mnist`, set up as :mod:`benchmarks.hivemind_peer` says) averaging
+  every step's gradients, compressed by its ``Float16Compression`` or
   ``Uniform8BitQuantization``, one round per step of every worker, as DDP;
 * ``hivemind-local-fp16``: its local updates (``use_local_updates``): every worker steps on its
   own gradients and the parameters are averaged (fp16) in the background every round.
@@ -51,9 +52,17 @@ and the reading of their epochs are the training runner's, :mod:`benchmarks.trai
 * ``lm-ps-sync``: the example's synchronous mode (dense gradients pushed every step, AdamW on
   the workers);
 * ``lm-diloco``: its DiLoCo mode, H = 20, the outer Nesterov SGD on the servers;
+* ``lm-diloco-bf16``: the same DiLoCo with bf16 pseudo-gradients (error feedback) and bf16
+  pulls, half the bytes;
 * ``lm-ddp-fp32``, ``lm-ddp-fp16``, ``lm-ddp-powersgd4-warmup``: DDP on gloo
   (:mod:`benchmarks.ddp_charlm`, the same training as ``lm-ps-sync``), in fp32, with the fp16
-  hook, and with PowerSGD at rank 4 after the example's 30 warm-up steps of fp32.
+  hook, and with PowerSGD at rank 4 after the example's 30 warm-up steps of fp32;
+* ``lm-torchft-diloco``, ``lm-torchft-localsgd``: torchft's DiLoCo (the same H = 20 and outer
+  Nesterov SGD as ``lm-diloco``) and LocalSGD (H = 20) around the example's inner AdamW
+  (:mod:`benchmarks.torchft_charlm`);
+* ``lm-hivemind-fp16``, ``lm-hivemind-uint8``, ``lm-hivemind-local-fp16``: ``hivemind.Optimizer``
+  around the example's AdamW and schedule (:mod:`benchmarks.hivemind_charlm`), as the MNIST
+  runs of the same names.
 
 Peers run in the harness's interpreter: a run whose peer is not installed there (``pip install
 'pskv[bench]'``) is skipped with a line saying so. The smoke preset runs no peer; it says for
@@ -85,12 +94,14 @@ import argparse
 import importlib.util
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +154,15 @@ RUNS.update({
     "lm-ddp-fp32": {"workload": "charlm", "ddp": 0},
     "lm-ddp-fp16": {"workload": "charlm", "ddp": 0, "compress": "fp16"},
     "lm-ddp-powersgd4-warmup": {"workload": "charlm", "ddp": 4, "warmup_steps": 30},
+    "lm-diloco-bf16": {"workload": "charlm", "push": "bf16", "pull": "bf16", "lm": LM_DILOCO},
+    "lm-torchft-diloco": {"workload": "charlm", "peer": "torchft", "mode": "diloco",
+                          "sync_every": 20, "outer_lr": 0.7, "outer_momentum": 0.9},
+    "lm-torchft-localsgd": {"workload": "charlm", "peer": "torchft", "mode": "localsgd",
+                            "sync_every": 20},
+    "lm-hivemind-fp16": {"workload": "charlm", "peer": "hivemind", "compression": "fp16"},
+    "lm-hivemind-uint8": {"workload": "charlm", "peer": "hivemind", "compression": "uint8"},
+    "lm-hivemind-local-fp16": {"workload": "charlm", "peer": "hivemind", "compression": "fp16",
+                               "local_updates": True},
 })  # fmt: skip
 
 WORKLOADS = {
@@ -152,8 +172,18 @@ WORKLOADS = {
 """Each workload's default target (MNIST: test accuracy to reach; the language model:
 held-out perplexity to get down to) and the runs its table compares every run with."""
 
-PEER_MODULES = {"torchft": "torchft_mnist", "hivemind": "hivemind_mnist"}
-"""Each peer's worker, ``benchmarks.<module>``; the peer itself comes with the ``bench`` extra."""
+PEER_MODULES = {
+    ("torchft", "mnist"): "torchft_mnist",
+    ("torchft", "charlm"): "torchft_charlm",
+    ("hivemind", "mnist"): "hivemind_mnist",
+    ("hivemind", "charlm"): "hivemind_charlm",
+}
+"""Each peer's worker for each workload, ``benchmarks.<module>``; the peer itself comes with the
+``bench`` extra."""
+
+SERVERS = {"kvstore": "colocated"}
+"""Where each system's servers run, for the table: the parameter server's on the workers' hosts,
+one each (DDP, torchft and hivemind have none)."""
 
 PRESETS = {
     "smoke": {"runs": ["ps-2bit", "ddp-fp32", "diloco"], "floor": ["diloco"], "epochs": 1,
@@ -339,24 +369,25 @@ def peer_command(
     """Rank ``rank``'s worker of a peer's run; ``meeting``: a fresh file path the workers may
     use to find each other (hivemind's rank 0 writes its addresses there)."""
     address = cluster.hosts[rank].address
+    workload = run.get("workload", "mnist")
+    module = PEER_MODULES[run["peer"], workload]
+    training = _lm_schedule(args) if workload == "charlm" else _training(args).flags()
     if run["peer"] == "hivemind":
         return module_command(
-            PEER_MODULES["hivemind"], "--rank", str(rank), "--num-workers", str(args.workers),
+            module, "--rank", str(rank), "--num-workers", str(args.workers),
             "--host", address, "--peer-file", str(meeting),
             "--compression", run["compression"],
-            *(["--local-updates"] if run.get("local_updates") else []),
-            *_training(args).flags(),
+            *(["--local-updates"] if run.get("local_updates") else []), *training,
         )  # fmt: skip
     if run["peer"] == "torchft":
         lighthouse = f"{cluster.hosts[0].address}:29510"
         outer = ["--outer-lr", str(run["outer_lr"]), "--outer-momentum",
                  str(run["outer_momentum"])] if run["mode"] == "diloco" else []  # fmt: skip
         return module_command(
-            PEER_MODULES["torchft"], "--rank", str(rank), "--num-workers", str(args.workers),
+            module, "--rank", str(rank), "--num-workers", str(args.workers),
             "--host", address, "--lighthouse", lighthouse,
             *(["--start-lighthouse"] if rank == 0 else []),
-            "--mode", run["mode"], "--sync-every", str(run["sync_every"]), *outer,
-            *_training(args).flags(),
+            "--mode", run["mode"], "--sync-every", str(run["sync_every"]), *outer, *training,
         )  # fmt: skip
     raise ValueError(f"no worker command for the peer {run['peer']!r}")
 
@@ -408,7 +439,10 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
         arrived = timed_out = False
         with CpuMonitor(job, descendants=True) as cpu:
             report_began = time.time()
-            for line in lead.stdout:
+            for line in lines_until(lead.stdout, deadline):
+                if line is None:  # the deadline passed with no line: a round may take longer
+                    timed_out = True
+                    break
                 output.append(line)
                 report = progress_record(line)
                 if report is not None:
@@ -427,16 +461,50 @@ def run_one(args: argparse.Namespace, name: str, rate: float) -> list[dict[str, 
                     arrived = reached(records[-1], args.target) and not args.no_stop
                     if arrived:
                         break  # the rest of the run would not change its time
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
         cluster.stop_processes()
         expected = reports_expected(args)
+        if timed_out and not records:
+            raise RunTimedOut(f"{NO_REPORT} {args.timeout:g} s timeout")
         if not records or not (arrived or timed_out or len(records) == expected):
             raise RuntimeError(f"{name}: the workers stopped after {len(records)} of "
                                f"{expected} reports; worker 0 said "
                                f"{''.join(output[-20:])[-1500:]}")  # fmt: skip
     return records
+
+
+NO_REPORT = "no report within the"
+"""How a run that reported nothing before its timeout is described: slower than that per report."""
+
+
+class RunTimedOut(RuntimeError):
+    """A run reported nothing before its timeout: it is slower than the timeout per report,
+    not broken."""
+
+
+def lines_until(stream: Any, deadline: float) -> Iterator[str | None]:
+    """The lines of ``stream`` until it ends, then None if ``deadline`` (``time.monotonic()``)
+    passes first: a reader thread, so that a worker silent for longer than the timeout (a
+    peer's epoch on a slow link) cannot hold the run past it."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for line in stream:
+                lines.put(line)
+        except (OSError, ValueError):  # closed under it: the run is over, nobody reads on
+            pass
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            yield None
+            return
+        if line is None:
+            return
+        yield line
 
 
 def reports_expected(args: argparse.Namespace) -> int:
@@ -488,9 +556,13 @@ def summaries(
     floors: dict[str, list[dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
     """One line per run and rate: seconds to ``target``, epochs, bytes worker 0 pushed and its
-    host sent, the busiest CPU share of its epochs; with its run on links that cost nothing
-    (``floors``), its compute floor (seconds per epoch there times the epochs needed here) and
-    the ratio to it."""
+    host sent, the busiest CPU share of its epochs; and its compute floor (``floor_seconds``:
+    seconds per report on links that cost nothing times the reports needed here) and the ratio
+    to it. A run trained on free links itself (``floors``) has its own floor; any other run
+    the workload's compute floor (:func:`compute_floor`), named in ``floor_from``."""
+    per_report = {name: records[-1]["wall"] / len(records)
+                  for name, records in (floors or {}).items() if records}  # fmt: skip
+    fallback = compute_floor(per_report)
     lines = []
     for (name, rate), records in by_run.items():
         seconds = time_to(records, target)
@@ -513,16 +585,25 @@ def summaries(
             ),
             "cpu_busy_max": max((r["cpu_busy"] for r in records if "cpu_busy" in r), default=None),
         }  # fmt: skip
-        floor_epochs = (floors or {}).get(name, [])
-        if floor_epochs and at is not None:
-            # Its reports on free links, as many as it needed here: a run of the same training
-            # need not reach the target at the same report (the servers' sums are taken in
-            # arrival order, which changes their float rounding).
-            per_report = floor_epochs[-1]["wall"] / len(floor_epochs)
-            line["floor_seconds"] = round(per_report * (at + 1), 3)
+        # Its reports on free links, as many as it needed here: a run of the same training
+        # need not reach the target at the same report (the servers' sums are taken in arrival
+        # order, which changes their float rounding).
+        floor_from = name if name in per_report else fallback
+        if floor_from is not None and at is not None and seconds is not None:
+            line["floor_from"] = floor_from
+            line["floor_seconds"] = round(per_report[floor_from] * (at + 1), 3)
             line["over_floor"] = round(seconds / line["floor_seconds"], 2)
         lines.append(line)
     return lines
+
+
+def compute_floor(per_report: dict[str, float]) -> str | None:
+    """The run whose reports on free links took the least seconds each (None: no such run): the
+    workload's compute floor, the model's own computation with next to no communication (a
+    DiLoCo run syncs once in many steps), for the runs not trained on free links themselves.
+    Every run computes the same model on the same batches, so its floor is that run's seconds
+    per report times the reports it needed."""
+    return min(per_report, key=per_report.__getitem__, default=None)
 
 
 def last_words(error: str) -> str:
@@ -557,28 +638,33 @@ def write_table(
 
     goal = f"perplexity {target:g}" if perplexity else f"{target:.0%}"
     unit, final = ("steps", "final perplexity") if perplexity else ("epochs", "final accuracy")
-    header = (f"| Mbit/s | run | {unit} | seconds to {goal} | {final} "
+    header = (f"| Mbit/s | run | servers | {unit} | seconds to {goal} | {final} "
               "| MB sent per host | CPU busy (max) | dense PS / run | DDP fp32 / run "
-              "| best peer / run | over floor |")  # fmt: skip
-    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| best peer / run | over compute floor |")  # fmt: skip
+    lines = [header, "|---" * (header.count("|") - 1) + "|"]
     for s in summary:
         t, rate = s["seconds_to_target"], s["rate_mbit"]
         shown = f"{t:.1f}" if t is not None else "not reached"
-        floor = f"{s['over_floor']:.2f}x" if s.get("over_floor") else "-"
+        floor = "-"
+        if s.get("over_floor"):
+            source = "" if s["floor_from"] == s["run"] else f" ({s['floor_from']}'s)"
+            floor = f"{s['over_floor']:.2f}x{source}"
         sent = s.get("sent_bytes_per_host_to_target")
         sent_mb = f"{sent / 1e6:.1f}" if sent is not None else "-"
         cpu = f"{s['cpu_busy_max']:.2f}" if s.get("cpu_busy_max") is not None else "-"
         peer = best_peer.get(rate)
         peer_ratio = f"{ratio(peer[1], t)} ({peer[0]})" if peer else "-"
         last = f"{s['final_quality']:.2f}" if perplexity else f"{s['final_quality']:.2%}"
-        lines.append(f"| {rate:g} | {s['run']} | {s['to_target'] or '-'} | {shown} | "
+        lines.append(f"| {rate:g} | {s['run']} | {SERVERS.get(s['system'], '-')} "
+                     f"| {s['to_target'] or '-'} | {shown} | "
                      f"{last} | {sent_mb} | {cpu} | "
                      f"{ratio(times.get((dense, rate)), t)} | "
                      f"{ratio(times.get((allreduce, rate)), t)} | {peer_ratio} "
                      f"| {floor} |")  # fmt: skip
     for (name, rate), error in (failures or {}).items():
-        lines.append(f"| {rate:g} | {name} | did not train: {last_words(error)} "
-                     "| | | | | | | | |")  # fmt: skip
+        why = error if error.startswith(NO_REPORT) else f"did not train: {last_words(error)}"
+        servers = SERVERS.get(str(_spec(RUNS[name])["system"]), "-") if name in RUNS else "-"
+        lines.append(f"| {rate:g} | {name} | {servers} | {why} | | | | | | | | |")
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -5,11 +5,15 @@ say, for both workloads."""
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
 from benchmarks.time_to_accuracy import (
+    NO_REPORT,
     last_words,
+    lines_until,
     progress_record,
     reached,
     report_point,
@@ -80,9 +84,51 @@ def test_table_compares_at_the_same_rate_and_keeps_the_runs_that_did_not_train(t
     failed = {("hivemind-uint8", 10.0): "Traceback ...\nRuntimeError: cannot decode | here\n"}
     write_table(table, summaries(runs, 0.97), 0.97, failed)
     rows = table.read_text().splitlines()
-    assert rows[0].startswith("| Mbit/s | run | epochs | seconds to 97% | final accuracy |")
+    assert rows[0].startswith("| Mbit/s | run | servers | epochs | seconds to 97% | final")
     dense = next(row for row in rows if "| ps-dense |" in row)
+    assert "| ps-dense | colocated |" in dense  # where the parameter server's servers ran
     assert "| 2.00x | 2.00x (ddp-fp32) |" in dense  # DDP's time over the dense run's
-    assert rows[-1].startswith("| 10 | hivemind-uint8 | did not train: RuntimeError: cannot")
+    assert rows[-1].startswith("| 10 | hivemind-uint8 | - | did not train: RuntimeError: cannot")
     assert rows[-1].count("|") == rows[0].count("|")  # a whole row (its "|" made "/")
     assert last_words("") == "no output"
+
+
+def test_runs_not_trained_on_free_links_get_the_workload_s_compute_floor():
+    runs = {("ps-2bit", 10.0): _records("ps-2bit", [(1, 0.9, 5.0), (2, 0.95, 9.0), (3, 0.97, 12.0)],
+                                        "accuracy"),
+            ("diloco", 10.0): _records("diloco", [(1, 0.97, 4.0)], "accuracy")}  # fmt: skip
+    floors = {"diloco": _records("diloco", [(1, 0.9, 2.0), (2, 0.97, 4.0)], "accuracy"),
+              "ddp-fp32": _records("ddp-fp32", [(1, 0.9, 3.0)], "accuracy")}  # fmt: skip
+    ps, diloco = summaries(runs, 0.97, floors)
+    # the cheapest run per report on free links is the compute floor: 2 s an epoch, 3 needed
+    assert (ps["floor_from"], ps["floor_seconds"], ps["over_floor"]) == ("diloco", 6.0, 2.0)
+    assert (diloco["floor_from"], diloco["floor_seconds"]) == ("diloco", 2.0)  # its own
+
+
+def test_a_run_with_no_report_before_its_timeout_keeps_a_row_saying_so(tmp_path):
+    runs = {("diloco", 10.0): _records("diloco", [(1, 0.97, 4.0)], "accuracy")}
+    table = tmp_path / "t.md"
+    failed = {("hivemind-fp16", 10.0): f"{NO_REPORT} 150 s timeout"}
+    write_table(table, summaries(runs, 0.97), 0.97, failed)
+    row = table.read_text().splitlines()[-1]
+    assert row.startswith("| 10 | hivemind-fp16 | - | no report within the 150 s timeout |")
+
+
+def test_lines_stop_at_the_deadline_when_the_stream_falls_silent():
+    read, write = os.pipe()
+    with os.fdopen(read) as stream:
+        with os.fdopen(write, "w") as writer:
+            writer.write("first\n")
+            writer.flush()
+            lines = lines_until(stream, time.monotonic() + 0.3)
+            assert next(lines) == "first\n"
+            assert next(lines) is None  # nothing more came before the deadline
+        time.sleep(0.1)  # the writer is gone: the reader thread ends at the stream's end
+
+
+def test_lines_end_with_the_stream_before_the_deadline():
+    read, write = os.pipe()
+    with os.fdopen(read) as stream:
+        with os.fdopen(write, "w") as writer:
+            writer.write("a\nb\n")
+        assert list(lines_until(stream, time.monotonic() + 60)) == ["a\n", "b\n"]
