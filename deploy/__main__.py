@@ -2,7 +2,8 @@
 
 Usage::
 
-    kvstore-launch -n N [-s S] [--launcher local|ssh|slurm] [-H HOSTFILE] -- COMMAND ARGS...
+    kvstore-launch -n N [-s S] [--workers-per-host K] [--launcher local|ssh|slurm]
+        [-H HOSTFILE] -- COMMAND ARGS...
 
 ``--launcher slurm`` runs inside a Slurm allocation (an ``sbatch`` script or an ``salloc``
 shell) and starts every process on the allocation's nodes with ``srun``; see
@@ -48,8 +49,9 @@ environment:
   KVSTORE_*           the other KVSTORE_ variables reach servers and workers (but credentials:
                       each job gets keys of its own)
 
-example:
+examples:
   kvstore-launch -n 2 -s 2 -- python3 examples/mnist/train.py --epochs 3
+  kvstore-launch -n 8 -s 2 --workers-per-host 4 --launcher ssh -H hosts -- python3 train.py
 """
 
 
@@ -64,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-n", "--num-workers", type=int, required=True, help="workers N (required)")
     parser.add_argument(
         "-s", "--num-servers", type=int, default=None, help="servers S (default: N)"
+    )
+    parser.add_argument(
+        "--workers-per-host",
+        type=int,
+        default=1,
+        metavar="K",
+        help="workers on each host (one per GPU): consecutive ranks share a host, and its K "
+        "workers sum each push there first, so the host's link carries one worker's bytes "
+        "(KVSTORE_LOCAL_RANK, KVSTORE_LOCAL_SIZE; N must be a multiple of K; default: 1)",
     )
     parser.add_argument(
         "--launcher",
@@ -140,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     num_servers = args.num_servers if args.num_servers is not None else args.num_workers
     if num_servers < 1:
         parser.error(f"-s must be >= 1, got {num_servers}")
+    k = args.workers_per_host
+    if k < 1 or args.num_workers % k:
+        parser.error(f"--workers-per-host must be >= 1 and divide -n {args.num_workers}, got {k}")
     if args.hostfile and args.launcher != "ssh":
         parser.error("-H is for --launcher ssh")
     backend: Backend
@@ -154,10 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ssh_command=args.ssh_command.split(),
                 python=args.python,
                 forward_env=args.env,
+                workers_per_host=k,
             )
         elif args.launcher == "slurm":
             backend = SlurmBackend.from_env(
-                num_servers=num_servers, bind=args.host or "0.0.0.0", python=args.python
+                num_servers=num_servers,
+                bind=args.host or "0.0.0.0",
+                python=args.python,
+                workers_per_host=k,
             )
             _describe_slurm(backend, args.num_workers, num_servers)
         else:
@@ -172,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             command,
             startup_timeout=args.startup_timeout,
             server_threads=args.server_threads,
+            workers_per_host=k,
             auth=auth,
         )
     except ConfigError as exc:  # (a libzmq without CURVE)

@@ -137,10 +137,13 @@ def read_hostfile(path: str | Path) -> list[str]:
     return hosts
 
 
-def place(hosts: Sequence[str], num_servers: int, role: str, rank: int) -> str:
+def place(
+    hosts: Sequence[str], num_servers: int, role: str, rank: int, workers_per_host: int = 1
+) -> str:
     """The host of ``role`` ``rank``: servers take hosts ``0..S-1``, workers the following ones,
-    cycling through ``hosts`` (so with one host everything runs there)."""
-    slot = rank if role == "server" else num_servers + rank
+    cycling through ``hosts`` (so with one host everything runs there); with
+    ``workers_per_host`` k, workers ``h*k .. h*k+k-1`` share the h-th worker host."""
+    slot = rank if role == "server" else num_servers + rank // workers_per_host
     return hosts[slot % len(hosts)]
 
 
@@ -167,6 +170,7 @@ class SSHBackend(Backend):
         python: the interpreter on the hosts (None: this one's path).
         forward_env: names of local variables to pass on (``KVSTORE_*`` always are).
         num_servers: S, to place workers after servers.
+        workers_per_host: k, consecutive worker ranks that share a host (:func:`place`).
     """
 
     name = "ssh"
@@ -179,17 +183,19 @@ class SSHBackend(Backend):
         ssh_command: Sequence[str] = ("ssh", "-o", "BatchMode=yes"),
         python: str | None = None,
         forward_env: Sequence[str] = (),
+        workers_per_host: int = 1,
     ) -> None:
         if not hosts:
             raise ConfigError("the ssh launcher needs at least one host (-H HOSTFILE)")
         self.hosts = list(hosts)
         self.num_servers = num_servers
+        self.workers_per_host = workers_per_host
         self.ssh_command = list(ssh_command)
         self.python = python or sys.executable
         self.forward_env = list(forward_env)
 
     def _host(self, role: str, rank: int) -> str:
-        return place(self.hosts, self.num_servers, role, rank)
+        return place(self.hosts, self.num_servers, role, rank, self.workers_per_host)
 
     def server_host(self, server_rank: int) -> str:
         return self._host("server", server_rank)
@@ -269,6 +275,7 @@ class SlurmBackend(Backend):
         python: the interpreter on the nodes (default: this one, as with a shared file system
             and the exported ``PATH``).
         job_id: ``SLURM_JOB_ID``, for messages.
+        workers_per_host: k, consecutive worker ranks that share a node (:func:`place`).
     """
 
     name = "slurm"
@@ -282,11 +289,13 @@ class SlurmBackend(Backend):
         bind: str = "0.0.0.0",
         python: str | None = None,
         job_id: str | None = None,
+        workers_per_host: int = 1,
     ) -> None:
         if not nodes:
             raise ConfigError("the slurm launcher needs at least one node")
         self.nodes = list(nodes)
         self.num_servers = num_servers
+        self.workers_per_host = workers_per_host
         self.srun = srun
         self.bind = bind
         self.python = python or sys.executable
@@ -300,6 +309,7 @@ class SlurmBackend(Backend):
         num_servers: int,
         bind: str = "0.0.0.0",
         python: str | None = None,
+        workers_per_host: int = 1,
     ) -> SlurmBackend:
         """The backend for the allocation described by Slurm's variables in ``env``.
 
@@ -314,11 +324,12 @@ class SlurmBackend(Backend):
             bind=bind,
             python=python,
             job_id=allocation.job_id,
+            workers_per_host=workers_per_host,
         )
 
     def node(self, role: str, rank: int) -> str:
         """The node ``role`` ``rank`` runs on."""
-        return place(self.nodes, self.num_servers, role, rank)
+        return place(self.nodes, self.num_servers, role, rank, self.workers_per_host)
 
     def server_host(self, server_rank: int) -> str:
         return self.bind

@@ -98,6 +98,8 @@ class Supervisor:
         startup_timeout: seconds to wait for the servers' READY lines.
         stop_timeout: grace period of each step of a stop (:meth:`stop_all`).
         server_threads: ``--threads`` of each server (None: the server's default).
+        workers_per_host: k: worker ``r`` is local rank ``r % k`` of its host's k workers
+            (``KVSTORE_LOCAL_RANK``, ``KVSTORE_LOCAL_SIZE``), which aggregate there first.
         auth: make fresh CURVE keys for the job (:class:`~kvstore.auth.JobKeys`) and give
             servers the server's secret key and workers the client's: only this job's workers
             can then talk to its servers, encrypted. False: no keys (trusted networks only);
@@ -115,6 +117,7 @@ class Supervisor:
         startup_timeout: float = 60.0,
         stop_timeout: float = 10.0,
         server_threads: int | None = None,
+        workers_per_host: int = 1,
         auth: bool = True,
         out: IO[bytes] | None = None,
         err: IO[bytes] | None = None,
@@ -126,6 +129,7 @@ class Supervisor:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.server_threads = server_threads
+        self.workers_per_host = workers_per_host
         self.keys: JobKeys | None = JobKeys.generate() if auth else None
         """The job's credentials (None: a job without authentication)."""
         self._out = out if out is not None else sys.stdout.buffer
@@ -343,6 +347,8 @@ class Supervisor:
                 "KVSTORE_RANK": str(rank),
                 "KVSTORE_NUM_WORKERS": str(self.num_workers),
                 "KVSTORE_NUM_SERVERS": str(self.num_servers),
+                "KVSTORE_LOCAL_RANK": str(rank % self.workers_per_host),
+                "KVSTORE_LOCAL_SIZE": str(self.workers_per_host),
                 "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
                 **role_env("worker", self.keys),
             }

@@ -179,15 +179,21 @@ class HostGroup:
             outbox.send(message)
 
     def _wait(
-        self, tag: tuple[Any, ...], deadline: Deadline, check_peers: bool = True
+        self,
+        tag: tuple[Any, ...],
+        deadline: Deadline,
+        check_peers: bool = True,
+        senders: set[int] | None = None,
     ) -> dict[int, Any]:
-        """Wait until every other worker of the host sent ``tag``; what each noted with it."""
+        """Wait until every other worker of the host (or each of ``senders``) sent ``tag``;
+        what each noted with it."""
         poller = zmq.Poller()
         poller.register(self._inbox, zmq.POLLIN)
-        while len(self._arrived.get(tag, ())) < self.size - 1:
+        expected = set(self._peers()) if senders is None else senders
+        while not expected <= self._arrived.get(tag, {}).keys():
             remaining = deadline.remaining()
             if remaining is not None and remaining <= 0:
-                missing = sorted(set(self._peers()) - set(self._arrived.get(tag, {})))
+                missing = sorted(expected - set(self._arrived.get(tag, {})))
                 raise KVStoreTimeoutError(
                     f"the workers of rank(s) {[self._rank_of(p) for p in missing]} on this "
                     f"host did not reach {_describe(tag)} within {deadline.timeout} s "
@@ -275,7 +281,7 @@ class HostGroup:
             if failed is not None:
                 raise failed
         else:
-            made = self._wait(("made", index), deadline)
+            made = self._wait(("made", index), deadline, senders={0})
             name = made.get(0) or ""
             if not name:
                 raise KVStoreError(f"local worker 0 could not make key {key!r}'s shared memory")

@@ -152,6 +152,32 @@ def test_hostfile_and_ssh_placement(tmp_path):
     assert "X='1 2'" in command.argv[4] and "'a b'" in command.argv[4]
 
 
+def test_workers_per_host_keep_consecutive_ranks_on_one_host():
+    backend = SSHBackend(["h1", "h2", "h3"], num_servers=1, workers_per_host=2)
+    assert [backend.where("worker", r).split()[-1] for r in range(4)] == ["h2", "h2", "h3", "h3"]
+    result = launch("-n", "3", "--workers-per-host", "2", "--", "true")
+    assert result.returncode == 2 and "--workers-per-host must be >= 1 and divide" in result.stderr
+
+
+def test_workers_per_host_aggregate_on_their_host():
+    code = (
+        "import os, numpy as np, kvstore\n"
+        "kv = kvstore.create('dist_sync')\n"
+        "kv.init('w', np.zeros(4, np.float32))\n"
+        "kv.push('w', np.full(4, kv.rank + 1, np.float32))\n"
+        "out = np.empty(4, np.float32); kv.pull('w', out=out)\n"
+        "print('local', os.environ['KVSTORE_LOCAL_RANK'], 'of', os.environ['KVSTORE_LOCAL_SIZE'],"
+        " 'sum', out[0], 'pushed', kv.stats().pushed_raw_bytes); kv.close()\n"
+    )
+    result = launch("-n", "4", "-s", "1", "--workers-per-host", "2", "--", PY, "-c", code)
+    assert result.returncode == 0, result.stderr
+    for rank in range(4):  # each host's two workers push one 16-byte value between them
+        assert f"[worker {rank}] local {rank % 2} of 2 sum 10.0 pushed " in result.stdout
+    pushed = [int(line.rsplit(" ", 1)[1]) for line in result.stdout.splitlines()
+              if " pushed " in line]  # fmt: skip
+    assert sorted(pushed) == [0, 0, 16, 16]
+
+
 def test_ssh_launcher_end_to_end_through_a_stand_in_ssh(tmp_path):
     fake_ssh = tmp_path / "fake-ssh"
     fake_ssh.write_text('#!/bin/bash\nshift\nexec bash -c "$1"\n')  # drop the host, run it here

@@ -88,6 +88,11 @@ def test_placement_and_srun_command_lines():
     assert command.env["PATH"] == os.environ["PATH"]
 
 
+def test_workers_per_node_keep_consecutive_ranks_on_one_node():
+    backend = SlurmBackend(["n1", "n2", "n3"], num_servers=1, workers_per_host=2)
+    assert [backend.node("worker", r) for r in range(6)] == ["n2", "n2", "n3", "n3", "n1", "n1"]
+
+
 def test_servers_bind_every_interface_and_workers_use_node_names():
     backend = SlurmBackend(["n1", "n2"], num_servers=2)
     assert backend.server_host(1) == "0.0.0.0"
