@@ -47,6 +47,15 @@ processes placed like kvstore's (:mod:`bare_cluster`), run right after the confi
 kvstore cells. It has the dense floor; its ratio to it is how close this machine gets to the
 floor at all.
 
+With ``--per-host K,...`` (the ``hierarchy`` preset: 2 and 4 worker hosts of 1, 2 and 4
+workers, against gloo on the same hosts) K consecutive workers share each worker host and
+aggregate there (``KVSTORE_LOCAL_SIZE``, :mod:`kvstore.worker.host_group`); ``--hierarchy
+both`` also runs each such cell with every worker on its own (``KVSTORE_HIERARCHY=0``), the
+flat job of the same N. Records of K > 1 say ``workers_per_host`` (and ``hierarchy``), the floor
+counts one push and pull per host where they aggregate, and every kvstore record says
+``host_up_bytes_per_step`` and ``host_down_bytes_per_step``: the payload bytes the busiest
+worker host's link carried per step, from its workers' counters.
+
 With ``--push-borrow`` the kvstore workers push with ``borrow=True`` (their dense gradients
 are sent from their own memory instead of copied first; see ``KVStore.push``).
 
@@ -63,6 +72,7 @@ steps, and how long they stood idle at a step's start and end (:mod:`link_trace`
 
     python -m benchmarks.bench_cluster --preset smoke
     python -m benchmarks.bench_cluster --preset full --out results/cluster.jsonl
+    python -m benchmarks.bench_cluster --preset hierarchy --hierarchy both
 
 Needs root for ``ip netns``; without it, prints one "skipped" line and exits 0.
 """
@@ -103,6 +113,7 @@ PRESETS = {
         "workers": [2],
         "servers": [1],
         "placements": ["separate"],
+        "per_host": [1],
         "baselines": [],
         "steps": 2,
         "warmup_seconds": 0.0,
@@ -114,13 +125,34 @@ PRESETS = {
         "workers": [1, 2, 4, 8],
         "servers": [1, 2, 4],
         "placements": ["separate", "colocated"],
+        "per_host": [1],
         "baselines": ["gloo-fp32", "gloo-fp16"],
+        "steps": 5,
+        "warmup_seconds": 8.0,
+        "rate": 1000.0,
+    },
+    # hosts of 1, 2 and 4 workers (2 and 4 worker hosts), against the same workers each on its
+    # own (--hierarchy both) and gloo on the same hosts
+    "hierarchy": {
+        "workloads": ["key10m", "resnet50"],
+        "codecs": ["none", "2bit-both"],
+        "workers": [2, 4, 8, 16],
+        "servers": [2],
+        "placements": ["separate"],
+        "per_host": [1, 2, 4],
+        "baselines": ["gloo-fp32"],
         "steps": 5,
         "warmup_seconds": 8.0,
         "rate": 1000.0,
     },
 }
 
+
+HOST_COUNTS = {"hierarchy": (2, 4)}
+"""The worker-host counts a preset measures (others: any count its workers make)."""
+
+HIERARCHY_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
+"""``--hierarchy`` -> whether the workers of a host of several aggregate there, in run order."""
 
 AUTH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 """``--auth`` -> whether each kvstore cell runs with CURVE keys, in run order."""
@@ -171,8 +203,11 @@ def floor_seconds(
     server_hosts: list[int],
     worker_hosts: list[int],
     rate_bytes: float,
+    hierarchy: bool = False,
 ) -> tuple[float, float]:
-    """(floor seconds, bytes of the busiest link direction) of one push+pull step."""
+    """(floor seconds, bytes of the busiest link direction) of one push+pull step. With
+    ``hierarchy`` the workers that share a host push and pull once for it (their host's sum:
+    :mod:`kvstore.worker.host_group`)."""
     from kvstore.codecs import get_codec
     from kvstore.config import DEFAULT_BIGARRAY_BOUND, DEFAULT_PARTITION_BYTES
     from kvstore.topology import partition_elems_for, plan_chunks
@@ -183,6 +218,8 @@ def floor_seconds(
     )
     up: dict[int, float] = {}
     down: dict[int, float] = {}
+    # who pushes each chunk once per round: every worker, or every host of workers
+    pushers = sorted(set(worker_hosts)) if hierarchy else list(worker_hosts)
     for key, shape in keys:
         numel = math.prod(shape)
         chunks = plan_chunks(
@@ -195,15 +232,14 @@ def floor_seconds(
         )
         for chunk in chunks:
             push = sum(push_codec.payload_nbytes(chunk.numel, "float32"))
-            relayed = not server_optimizer and num_workers <= push_codec.relay_limit(
+            relayed = not server_optimizer and len(pushers) <= push_codec.relay_limit(
                 chunk.numel, "float32"
             )
-            pull = num_workers * push if relayed else 4 * chunk.numel
+            pull = len(pushers) * push if relayed else 4 * chunk.numel
             if pull_compressed(codec):  # the same 2-bit payload as a push
                 pull = push
             server_host = server_hosts[chunk.server]
-            for worker in range(num_workers):
-                host = worker_hosts[worker]
+            for host in pushers:
                 if host == server_host:
                     continue  # same host: no link crossed
                 up[host] = up.get(host, 0) + push
@@ -224,7 +260,13 @@ def run_worker(args: argparse.Namespace) -> None:
 
     keys = workload(args.workload)
     kv = kvstore.create(
-        "dist_sync", servers=args.addresses.split(","), rank=args.rank, num_workers=args.num_workers
+        "dist_sync",
+        servers=args.addresses.split(","),
+        rank=args.rank,
+        num_workers=args.num_workers,
+        local_rank=args.rank % args.local_size,
+        local_size=args.local_size,
+        hierarchy=args.host_sum == "on",
     )
     compression, server_optimizer = codec_setup(args.codec)
     if compression != "none":
@@ -244,7 +286,12 @@ def run_worker(args: argparse.Namespace) -> None:
         kv.push(backward_names, backward_grads, borrow=args.push_borrow)
         kv.pull(names, out=params)
 
+    before = kv.stats()
     report = timed_steps(args.steps, kv.barrier, step, args.warmup_steps)
+    after = kv.stats()
+    steps = args.steps + args.warmup_steps
+    report["pushed_bytes_per_step"] = (after.pushed_bytes - before.pushed_bytes) / steps
+    report["pulled_bytes_per_step"] = (after.pulled_bytes - before.pulled_bytes) / steps
     kv.close()
     print(json.dumps(report), flush=True)
 
@@ -442,11 +489,12 @@ def _slowest_per_step(per_worker: list[list[float]]) -> list[float]:
 
 
 def _collect(
-    processes: list[subprocess.Popen], what: str, timeout: float
+    processes: list[subprocess.Popen], what: str, timeout: float, results: list[dict] | None = None
 ) -> tuple[list[float], list[float], tuple[float, float], list[tuple[float, float]]]:
     """The job's time per timed step and per warm-up step (each step's slowest worker; steps
     start at a barrier), the wall-clock window of the timed steps, and each timed step's
-    wall-clock span (from its first worker's start to its last worker's end)."""
+    wall-clock span (from its first worker's start to its last worker's end); each process's
+    report is appended to ``results``."""
     per_worker: list[list[float]] = []
     warmup_per_worker: list[list[float]] = []
     spans_per_worker: list[list[tuple[float, float]]] = []
@@ -457,6 +505,8 @@ def _collect(
         if process.returncode != 0:
             raise RuntimeError(f"{what} exited with {process.returncode}: {err[-2000:]}")
         result = json.loads(out.strip().splitlines()[-1])
+        if results is not None:
+            results.append(result)
         per_worker.append(result["times"])
         warmup_per_worker.append(result["warmup_times"])
         starts.append(result["window"][0])
@@ -481,6 +531,7 @@ def _measure(
     floor: float,
     warmup: int,
     links: tuple[LinkTrace, Sequence[str]] | None = None,
+    worker_hosts: Sequence[int] | None = None,
     **extra: Any,
 ) -> dict:
     """Collect the ``timed`` processes' step times while watching the CPU (the ``job``'s
@@ -493,8 +544,9 @@ def _measure(
     were during the timed steps, the barriers between them left out
     (:func:`link_trace.by_role`).
     """
+    reports: list[dict] = []
     with CpuMonitor([p.pid for p in job]) as cpu:
-        times, warmup_times, window, spans = _collect(timed, what, timeout)
+        times, warmup_times, window, spans = _collect(timed, what, timeout, reports)
     if links is not None:
         links[0].stop()
     cluster.stop_processes()
@@ -508,7 +560,21 @@ def _measure(
         trace, roles = links
         summaries = summarize(trace.times, trace.counters, cluster.rate_bytes_per_s, spans)
         record["links"] = by_role(summaries, roles) if summaries else None
+    if worker_hosts is not None and reports and "pushed_bytes_per_step" in reports[0]:
+        record.update(host_bytes(reports, worker_hosts))
     return record
+
+
+def host_bytes(reports: Sequence[dict], worker_hosts: Sequence[int]) -> dict[str, int]:
+    """The payload bytes a worker host's link carried per step, from its workers' counters
+    (pushes up, pulls down; the busiest host's)."""
+    up: dict[int, float] = {}
+    down: dict[int, float] = {}
+    for report, host in zip(reports, worker_hosts, strict=True):
+        up[host] = up.get(host, 0.0) + report["pushed_bytes_per_step"]
+        down[host] = down.get(host, 0.0) + report["pulled_bytes_per_step"]
+    return {"host_up_bytes_per_step": round(max(up.values())),
+            "host_down_bytes_per_step": round(max(down.values()))}  # fmt: skip
 
 
 def _host_roles(server_hosts: Sequence[int], worker_hosts: Sequence[int]) -> list[str]:
@@ -524,14 +590,18 @@ def _host_roles(server_hosts: Sequence[int], worker_hosts: Sequence[int]) -> lis
     return [role(host) for host in range(max(servers | workers) + 1)]
 
 
-def _placement(n: int, s: int, placement: str) -> tuple[list[int], list[int]]:
-    """(host of each server, host of each worker)."""
+def _placement(n: int, s: int, placement: str, per_host: int = 1) -> tuple[list[int], list[int]]:
+    """(host of each server, host of each worker): ``per_host`` consecutive workers share a
+    host."""
+    hosts = n // per_host
     if placement == "separate":
-        return list(range(s)), list(range(s, s + n))
-    return [i % n for i in range(s)], list(range(n))
+        return list(range(s)), [s + rank // per_host for rank in range(n)]
+    return [i % hosts for i in range(s)], [rank // per_host for rank in range(n)]
 
 
-def run_kvstore(cluster, args, workload_name, codec, n, s, placement, auth=False) -> dict:
+def run_kvstore(
+    cluster, args, workload_name, codec, n, s, placement, auth=False, per_host=1, hierarchy=True
+) -> dict:
     from kvstore.auth import JobKeys, role_env
 
     py = sys.executable
@@ -548,10 +618,12 @@ def run_kvstore(cluster, args, workload_name, codec, n, s, placement, auth=False
     def worker(rank: int) -> list[str]:
         borrow = ["--push-borrow"] if args.push_borrow else []
         return ["--role", "worker", "--rank", str(rank), "--num-workers", str(n),
-                "--codec", codec, *borrow]  # fmt: skip
+                "--codec", codec, "--local-size", str(per_host),
+                "--host-sum", "on" if hierarchy else "off", *borrow]  # fmt: skip
 
     return _run_cell(cluster, args, workload_name, codec, n, s, placement, server, worker,
-                     f"{codec} worker", server_env=env, worker_env=worker_env)  # fmt: skip
+                     f"{codec} worker", server_env=env, worker_env=worker_env,
+                     per_host=per_host, hierarchy=hierarchy)  # fmt: skip
 
 
 def run_bare(cluster, args, workload_name, n, s, placement) -> dict:
@@ -581,11 +653,13 @@ def _run_cell(
     what: str,
     server_env: dict[str, str] | None = None,
     worker_env: dict[str, str] | None = None,
+    per_host: int = 1,
+    hierarchy: bool = False,
 ) -> dict:
     """Start the servers (``server_argv(host, rank)``), then the workers (this module with
     ``worker_role(rank)`` and the addresses, workload, steps and warm-up), on the hosts of
-    ``placement``; measure them against ``codec``'s floor."""
-    server_hosts, worker_hosts = _placement(n, s, placement)
+    ``placement`` (``per_host`` workers a host); measure them against ``codec``'s floor."""
+    server_hosts, worker_hosts = _placement(n, s, placement, per_host)
     servers = [
         cluster.popen(
             host, server_argv(host, rank), stdout=subprocess.PIPE, text=True, env=server_env
@@ -594,7 +668,13 @@ def _run_cell(
     ]
     addresses = server_addresses(servers)
     floor, busiest = floor_seconds(
-        workload(workload_name), codec, n, server_hosts, worker_hosts, cluster.rate_bytes_per_s
+        workload(workload_name),
+        codec,
+        n,
+        server_hosts,
+        worker_hosts,
+        cluster.rate_bytes_per_s,
+        hierarchy=hierarchy and per_host > 1,
     )
     warmup = warmup_steps(args.warmup_seconds, floor)
     roles = _host_roles(server_hosts, worker_hosts) if args.link_trace else None
@@ -616,13 +696,14 @@ def _run_cell(
                                          env=worker_env))  # fmt: skip
         links = None if trace is None or roles is None else (trace, roles)
         return _measure(cluster, workers, servers + workers, what, args.timeout,
-                        floor, warmup, links, busiest_link_bytes=int(busiest))  # fmt: skip
+                        floor, warmup, links, worker_hosts,
+                        busiest_link_bytes=int(busiest))  # fmt: skip
     finally:
         if trace is not None:
             trace.stop()  # (a cell that failed part-way; otherwise stopped already)
 
 
-def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
+def run_baseline(cluster, args, workload_name, baseline, n, per_host=1) -> dict:
     master = f"{cluster.hosts[0].address}:29500"
     itemsize = 2 if baseline.endswith("fp16") else 4
     total = sum(math.prod(shape) for _, shape in workload(workload_name)) * itemsize
@@ -635,8 +716,9 @@ def run_baseline(cluster, args, workload_name, baseline, n) -> dict:
             "--num-workers", str(n), "--workload", workload_name, "--codec", baseline,
             "--steps", str(args.steps), "--warmup-steps", str(warmup),
         )  # fmt: skip
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(rank)}
-        processes.append(cluster.popen(rank, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        host = rank // per_host
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.interface(host)}
+        processes.append(cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, env=env))  # fmt: skip
     return _measure(cluster, processes, processes, baseline, args.timeout, floor, warmup)
 
@@ -690,13 +772,21 @@ def orchestrate(args: argparse.Namespace) -> int:
     }
     started = time.time()
     configs = [
-        (wl, n, s, placement)
-        for wl, n, s, placement in itertools.product(
-            pick["workloads"], pick["workers"], pick["servers"], pick["placements"]
-        )
-        if not (placement == "colocated" and s > n)  # more servers than hosts
+        (wl, n, s, placement, k)
+        for wl, n, s, placement, k in itertools.product(
+            pick["workloads"],
+            pick["workers"],
+            pick["servers"],
+            pick["placements"],
+            pick["per_host"],
+        )  # fmt: skip
+        if n % k == 0
+        and n // k in HOST_COUNTS.get(args.preset, range(1, n + 1))
+        and not (placement == "colocated" and s > n // k)  # more servers than hosts
     ]
-    baselines = [(wl, n, b) for wl in pick["workloads"] for n in pick["workers"] if n > 1
+    baselines = [(wl, n, b, k) for wl in pick["workloads"] for n in pick["workers"] if n > 1
+                 for k in pick["per_host"] if n % k == 0
+                 and n // k in HOST_COUNTS.get(args.preset, range(1, n + 1))
                  for b in pick["baselines"] if b in GLOO_BASELINES]  # fmt: skip
 
     def cell(record: dict, hosts: int, run: Callable[..., dict], *run_args: Any) -> None:
@@ -713,21 +803,28 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     # How the hosts were linked and run, in every record.
     hosting = {"rate_mbit": rate, "mtu": args.mtu, "tcp_cc": tcp_cc_name, "pinned": pinned}
-    for wl, n, s, placement in configs:
-        hosts = n + s if placement == "separate" else n
+    for wl, n, s, placement, k in configs:
+        hosts = n // k + s if placement == "separate" else n // k
         where = {"workers": n, "servers": s, "placement": placement, **hosting}
+        if k > 1:
+            where["workers_per_host"] = k
         for codec in [] if args.baselines_only else pick["codecs"]:
-            for auth in AUTH_MODES[args.auth]:
+            for auth, hierarchy in itertools.product(
+                AUTH_MODES[args.auth], HIERARCHY_MODES[args.hierarchy] if k > 1 else (True,)
+            ):
                 record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
                           **where, **({"push_borrow": True} if args.push_borrow else {}),
-                          **({"auth": auth} if args.auth != "off" else {})}  # fmt: skip
-                cell(record, hosts, run_kvstore, args, wl, codec, n, s, placement, auth)
+                          **({"auth": auth} if args.auth != "off" else {}),
+                          **({"hierarchy": hierarchy} if k > 1 else {})}  # fmt: skip
+                cell(record, hosts, run_kvstore, args, wl, codec, n, s, placement, auth, k,
+                     hierarchy)  # fmt: skip
         if BARE in pick["baselines"]:  # right after kvstore's cells: the same machine state
             record = {"bench": "cluster", "system": BARE, "workload": wl, **where}
             cell(record, hosts, run_bare, args, wl, n, s, placement)
-    for wl, n, baseline in baselines:
-        record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n, **hosting}
-        cell(record, n, run_baseline, args, wl, baseline, n)
+    for wl, n, baseline, k in baselines:
+        record = {"bench": "cluster", "system": baseline, "workload": wl, "workers": n,
+                  **({"workers_per_host": k} if k > 1 else {}), **hosting}  # fmt: skip
+        cell(record, n // k, run_baseline, args, wl, baseline, n, k)
     summary = {"bench": "cluster", "preset": args.preset, "machine": machine(),
                "wall_seconds": round(time.time() - started, 1)}  # fmt: skip
     emit(summary)
@@ -744,6 +841,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=csv(int))
     parser.add_argument("--servers", type=csv(int))
     parser.add_argument("--placements", type=csv(str))
+    parser.add_argument(
+        "--per-host",
+        type=csv(int),
+        help="workers on each worker host (a list; each must divide the worker counts)",
+    )
+    parser.add_argument(
+        "--hierarchy",
+        choices=sorted(HIERARCHY_MODES),
+        default="on",
+        help="with several workers per host, aggregate on the host (on, the default), each "
+        "worker on its own (off), or each cell both ways (both)",
+    )
     parser.add_argument("--baselines", type=csv(str))
     parser.add_argument(
         "--baselines-only", action="store_true", help="run the baselines and not kvstore"
@@ -808,6 +917,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--addresses", help=argparse.SUPPRESS)
     parser.add_argument("--host", help=argparse.SUPPRESS)
+    parser.add_argument("--local-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--host-sum", choices=["on", "off"], default="on", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "worker":
         run_worker(args)

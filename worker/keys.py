@@ -124,8 +124,10 @@ class KeyState:
         self.last_push = [None] * len(self.chunks)
         self.pushes_sent = [0] * len(self.chunks)
         self.relay_limits = relay_limits
-        own = self.own_chunks
-        self.send_order = tuple(c for c in interleaved_order(self.chunks) if c in own)
+        order = interleaved_order(self.chunks)
+        if self.exchanged is not None:  # (hierarchical aggregation: this worker's share)
+            order = tuple(chunk for chunk in order if chunk.index in self.exchanged)
+        self.send_order = order
 
 
 def plan_key(

@@ -417,6 +417,27 @@ def test_cluster_benchmark_runs_each_kvstore_cell_without_and_with_keys():
         assert "seconds_per_step" in r, r
 
 
+def test_cluster_benchmark_hosts_of_two_workers_push_one_host_s_bytes():
+    records = run("bench_cluster", "--codecs", "none", "--workers", "4", "--per-host", "2",
+                  "--hierarchy", "both", "--steps", "1")  # fmt: skip
+    if "skipped" in records[0]:
+        assert records[0]["skipped"]
+        return
+    kv = [r for r in records if r.get("system") == "kvstore"]
+    assert [(r["workers_per_host"], r["hierarchy"]) for r in kv] == [(2, False), (2, True)]
+    for r in kv:
+        assert "error" not in r, r
+    flat, hier = kv
+    model = 1_000_000 * 4  # key1m, dense both ways
+    # each worker of a host on its own: the host's link carries both workers' pushes and
+    # pulls; aggregated on the host: one model's bytes each way
+    assert flat["host_up_bytes_per_step"] == pytest.approx(2 * model, rel=0.01)
+    assert flat["host_down_bytes_per_step"] == pytest.approx(2 * model, rel=0.01)
+    assert hier["host_up_bytes_per_step"] == pytest.approx(model, rel=0.01)
+    assert hier["host_down_bytes_per_step"] == pytest.approx(model, rel=0.01)
+    assert hier["floor_seconds"] == pytest.approx(flat["floor_seconds"] / 2, rel=0.01)
+
+
 def test_a_cluster_benchmark_stopped_with_sigterm_tears_its_hosts_down(tmp_path):
 
     why_not = available()

@@ -9,6 +9,8 @@ Values are integers, so that every order of summation gives the same bits.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import subprocess
 import sys
@@ -18,8 +20,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvtest import connect, oracle_decode, oracle_encode, run_ranks, run_ranks_outcomes
-from kvtest import start_servers, stop_processes
+from kvtest import (
+    connect,
+    oracle_decode,
+    oracle_encode,
+    run_ranks,
+    run_ranks_outcomes,
+    start_servers,
+    stop_processes,
+)
 
 from kvstore import WorkerLostError
 
@@ -231,3 +240,92 @@ def test_a_local_worker_that_dies_is_reported_to_its_host_and_to_the_job():
         assert isinstance(outcome, WorkerLostError), outcome
         assert outcome.rank == 1, outcome
     assert "local rank 1 on this host" in str(outcomes[0])
+
+
+def _steps(kv: Any, rank: int, steps: range) -> dict[str, np.ndarray]:
+    """Push and pull every key for ``steps``; the last values pulled."""
+    outs = {key: np.empty(shape, np.float32) for key, shape in SHAPES.items()}
+    for step in steps:
+        grads = [_push(rank, step, shape) * np.float32(0.01) for shape in SHAPES.values()]
+        kv.push(list(SHAPES), grads)
+        kv.pull(list(outs), list(outs.values()))
+    return outs
+
+
+def test_a_hierarchical_job_resumes_from_its_checkpoint_bit_identically(tmp_path):
+    """2-bit pushes (residuals on each host share's owner), server SGD with momentum."""
+    workers, local_size = 4, 2
+
+    def job(rank: int, *, addresses: list[str], load: bool) -> dict[str, np.ndarray]:
+        kv = connect(addresses, rank, workers, local_rank=rank % local_size,
+                     local_size=local_size, **OPTIONS)  # fmt: skip
+        with kv:
+            kv.set_gradient_compression({"type": "2bit", "threshold": 0.05})
+            kv.set_optimizer("sgd", learning_rate=0.5, momentum=0.9)
+            for key, shape in SHAPES.items():
+                kv.init(key, np.zeros(shape, np.float32))
+            if load:
+                kv.load_checkpoint(tmp_path / "ckpt")
+            else:
+                _steps(kv, rank, range(2))
+                kv.save_checkpoint(tmp_path / "ckpt")
+            return _steps(kv, rank, range(2, 4))
+
+    finals = []
+    for load in (False, True):
+        servers = start_servers(2, workers)
+        try:
+            addresses = [s.address for s in servers]
+            finals.append(
+                run_ranks(workers, functools.partial(job, addresses=addresses, load=load), 120)
+            )
+        finally:
+            stop_processes([s.process for s in servers])
+    uninterrupted, resumed = finals
+    _assert_same([uninterrupted], [resumed])
+    assert np.count_nonzero(uninterrupted[0]["split"])
+
+
+def test_kvstore_torch_trains_the_same_with_hosts_of_two_workers():
+    torch = pytest.importorskip("torch")
+    import kvstore.torch as kvt
+
+    workers = 4
+
+    torch.manual_seed(0)  # (here: the threads below would share torch's generator)
+    start = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+    def train(local_size: int) -> list[dict[str, Any]]:
+        servers = start_servers(2, workers)
+        try:
+            addresses = [s.address for s in servers]
+            models = [copy.deepcopy(start) for _ in range(workers)]
+
+            def rank_job(rank: int) -> dict[str, Any]:
+                model = models[rank]
+                kv = connect(addresses, rank, workers, local_rank=rank % local_size,
+                             local_size=local_size)  # fmt: skip
+                with kv:
+                    opt = kvt.DistributedOptimizer(
+                        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                        model.named_parameters(),
+                        kv=kv,
+                    )
+                    for step in range(3):
+                        gen = torch.Generator().manual_seed(100 * rank + step)
+                        x = torch.randn(8, 6, generator=gen)
+                        y = torch.randint(0, 3, (8,), generator=gen)
+                        opt.zero_grad()
+                        torch.nn.functional.cross_entropy(model(x), y).backward()
+                        opt.step()
+                return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+            return run_ranks(workers, rank_job, timeout=120)
+        finally:
+            stop_processes([s.process for s in servers])
+
+    flat, hier = train(1), train(2)
+    for state in hier:  # every worker holds the same model, the flat job's to float rounding
+        for name, value in state.items():
+            assert torch.equal(value, hier[0][name]), name
+            torch.testing.assert_close(value, flat[0][name], rtol=1e-5, atol=1e-6)
