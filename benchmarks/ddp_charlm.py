@@ -60,10 +60,6 @@ def main(argv: list[str] | None = None) -> None:
     model = wrap(lm.network, args)
     opt = lm.adamw(model.parameters(), args.lr)
 
-    def set_lr(lr: float) -> None:
-        for group in opt.param_groups:
-            group["lr"] = lr
-
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
         opt.zero_grad(set_to_none=False)
         loss = cross_entropy(model(inputs), targets)
@@ -73,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         return float(loss.item())
 
     report = print_report if args.rank == 0 else None
-    train_lm(args, lm, args.rank, args.num_workers, step, set_lr, lambda: lm.network, report)
+    train_lm(args, lm, args.rank, args.num_workers, step, opt, lambda: lm.network, report)
     dist.barrier()
     dist.destroy_process_group()
 

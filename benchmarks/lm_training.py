@@ -106,12 +106,12 @@ def train_lm(
     rank: int,
     num_workers: int,
     step: Callable[[torch.Tensor, torch.Tensor], float],
-    set_lr: Callable[[float], None] | None,
+    scheduled: torch.optim.Optimizer | None,
     evaluated: Callable[[], nn.Module],
     report: Callable[[dict[str, Any]], None] | None,
 ) -> None:
-    """Train ``args.steps`` steps: before each, ``set_lr`` (unless None: a worker whose
-    optimizer follows the schedule itself) gets the example's learning rate for it, then
+    """Train ``args.steps`` steps: before each, the optimizer ``scheduled`` gets the example's
+    learning rate for it (None: the worker's optimizer follows the schedule itself), then
     ``step(inputs, targets)`` trains on this rank's windows for it and returns the loss. With
     ``report`` (worker 0), every ``--eval-every`` steps and after the last, the model
     ``evaluated()`` returns is scored on the validation windows and reported (the module's
@@ -119,8 +119,9 @@ def train_lm(
     started = time.perf_counter()
     loss_sum, loss_steps = 0.0, 0
     for number in range(1, args.steps + 1):
-        if set_lr is not None:
-            set_lr(lm.example.learning_rate(args, number))
+        if scheduled is not None:
+            for group in scheduled.param_groups:
+                group["lr"] = lm.example.learning_rate(args, number)
         inputs, targets = lm.corpus.sample_windows(
             lm.text, args.batch_size, args.context, seed=args.seed, rank=rank, step=number
         )

@@ -48,10 +48,6 @@ def main(argv: list[str] | None = None) -> None:
     network = lm.network
     inner = lm.adamw(network.parameters(), args.lr)
 
-    def set_lr(lr: float) -> None:
-        for group in inner.param_groups:
-            group["lr"] = lr
-
     with TorchftWorker(args, network, inner) as job:
 
         def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -64,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             return float(loss.item())
 
         report = print_report if args.rank == 0 else None
-        train_lm(args, lm, args.rank, args.num_workers, step, set_lr, lambda: job.synced.model,
+        train_lm(args, lm, args.rank, args.num_workers, step, inner, lambda: job.synced.model,
                  report)  # fmt: skip
 
 

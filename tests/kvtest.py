@@ -168,6 +168,34 @@ def stop_processes(processes: Sequence[subprocess.Popen], grace: float = 10.0) -
             process.stdout.close()
 
 
+def reports_of_workers(
+    argvs: Sequence[Sequence[str]], timeout: float = 300.0, **popen: Any
+) -> list:
+    """Run one process per argv (``popen``: more of ``subprocess.Popen``'s arguments); once
+    every one exited 0 (any left after ``timeout`` seconds are killed, and the test fails),
+    the JSON lines the first printed, checking that the others printed nothing on stdout
+    (worker 0 reports)."""
+    import json  # noqa: PLC0415
+
+    workers = [
+        subprocess.Popen(
+            list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+        )  # fmt: skip
+        for argv in argvs
+    ]
+    try:
+        outputs = [worker.communicate(timeout=timeout) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    for worker, (_, err) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, err[-3000:]
+    assert not any(out.strip() for out, _ in outputs[1:])  # only worker 0 reports
+    return [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+
+
 def run_ranks(num_workers: int, fn: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:
     """Run ``fn(rank)`` for every rank on its own thread; return results, re-raise errors."""
     with ThreadPoolExecutor(max_workers=num_workers) as pool:

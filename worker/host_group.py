@@ -38,6 +38,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -142,6 +143,9 @@ class HostGroup:
         self._pids: dict[int, int] = {}
         self._keys: dict[Key, HostKey] = {}
         self._load = [0] * self.size  # bytes of the chunks each local worker pushes
+        # one step of the protocol at a time: the inbox and the arrivals are this worker's
+        # (a store used from two threads runs their calls one after the other here)
+        self._lock = threading.RLock()
         self._closed = False
         try:
             self._inbox.bind(self._address(self.local_rank))
@@ -233,6 +237,10 @@ class HostGroup:
             KVStoreTimeoutError: one did not get there by ``deadline``.
             KVStoreError: one failed on the way (naming it and what it said).
         """
+        with self._lock:
+            self._meet(tag, deadline, failed)
+
+    def _meet(self, tag: tuple[Any, ...], deadline: Deadline, failed: BaseException | None) -> None:
         note = None
         if failed is not None:
             who = getattr(failed, "rank", getattr(failed, "server", None))  # (a lost peer's)
@@ -264,6 +272,10 @@ class HostGroup:
     def add_key(self, key: Key, numel: int, dtype: str, deadline: Deadline) -> None:
         """Map the key's segment: local worker 0 makes it, the others open it, and once all have
         it is unlinked (it lives while a worker maps it)."""
+        with self._lock:
+            self._add_key(key, numel, dtype, deadline)
+
+    def _add_key(self, key: Key, numel: int, dtype: str, deadline: Deadline) -> None:
         index = len(self._keys)
         nbytes = max(1, (self.size + 2) * numel * np.dtype(dtype).itemsize)
         name = f"pskv-{self.tag}-{os.getpid() if self.local_rank == 0 else 0}-{index}"
@@ -304,6 +316,10 @@ class HostGroup:
     def host_sum(self, key: Key, value: Any, deadline: Deadline) -> np.ndarray:
         """This worker's push of ``value`` summed with its host's others': the host's sum of
         the whole key, valid until this worker's next call of the key."""
+        with self._lock:
+            return self._host_sum(key, value, deadline)
+
+    def _host_sum(self, key: Key, value: Any, deadline: Deadline) -> np.ndarray:
         held = self._keys[key]
         held.pushes += 1
         failed: BaseException | None = None
@@ -324,21 +340,23 @@ class HostGroup:
     def pull_into(self, key: Key, deadline: Deadline) -> np.ndarray:
         """Begin a pull of ``key``: once every worker of the host is in it, the array the
         owners land their chunks in."""
-        held = self._keys[key]
-        held.pulls += 1
-        self.meet((held.index, "pull", held.pulls), deadline)
-        return held.result
+        with self._lock:
+            held = self._keys[key]
+            held.pulls += 1
+            self.meet((held.index, "pull", held.pulls), deadline)
+            return held.result
 
     def pulled(
         self, key: Key, out: Any, deadline: Deadline, failed: BaseException | None = None
     ) -> None:
         """End a pull of ``key``: once every owner's chunks landed, copy the whole key into
         ``out`` (unless this worker's or another's part ``failed``: raises it)."""
-        held = self._keys[key]
-        self.meet((held.index, "landed", held.pulls), deadline, failed)
-        target = vals.FlatTarget(out)
-        target.write(0, held.result.size, held.result)
-        target.finish()
+        with self._lock:
+            held = self._keys[key]
+            self.meet((held.index, "landed", held.pulls), deadline, failed)
+            target = vals.FlatTarget(out)
+            target.write(0, held.result.size, held.result)
+            target.finish()
 
     def close(self) -> None:
         """Unmap the segments and close the sockets (idempotent)."""

@@ -329,3 +329,64 @@ def test_kvstore_torch_trains_the_same_with_hosts_of_two_workers():
         for name, value in state.items():
             assert torch.equal(value, hier[0][name]), name
             torch.testing.assert_close(value, flat[0][name], rtol=1e-5, atol=1e-6)
+
+
+CODEC_SHAPES = {"matrix": (300, 7), "split": (5000,)}
+STOCHASTIC = {"qsgd", "terngrad"}
+"""Codecs whose rounding draws numbers keyed by the pushing worker's rank: a host's share is
+pushed by its owner, whose rank the flat job of hosts does not have."""
+
+
+def _codec_job(spec: dict, workers: int, local_size: int, pushes) -> list[dict[str, np.ndarray]]:
+    """Every rank's values after two steps of pushing ``pushes[step][rank][key]``."""
+    servers = start_servers(1, workers)
+    try:
+        addresses = [s.address for s in servers]
+
+        def worker(rank: int) -> dict[str, np.ndarray]:
+            kv = connect(addresses, rank, workers, local_rank=rank % local_size,
+                         local_size=local_size, **OPTIONS)  # fmt: skip
+            with kv:
+                kv.set_gradient_compression(spec)
+                for key, shape in CODEC_SHAPES.items():
+                    kv.init(key, np.zeros(shape, np.float32))
+                outs = {key: np.empty(shape, np.float32) for key, shape in CODEC_SHAPES.items()}
+                for step in range(2):
+                    kv.push(list(CODEC_SHAPES), [pushes[step][rank][k] for k in CODEC_SHAPES])
+                    kv.pull(list(outs), list(outs.values()))
+                return outs
+
+        return run_ranks(workers, worker, timeout=120)
+    finally:
+        stop_processes([s.process for s in servers])
+
+
+def _codec_names() -> list[str]:
+    from kvstore.codecs.registry import registered_codecs
+
+    return sorted(registered_codecs())
+
+
+@pytest.mark.parametrize("name", _codec_names())
+def test_every_codec_compresses_each_host_s_sum(name):
+    """Hosts of two workers give what a flat job of one worker per host gives, pushing the
+    hosts' sums: the codec compresses the host's sum, with the host's residual."""
+    from kvstore.codecs.registry import codec_class
+
+    spec = {"type": name, **codec_class(name).example_params[0]}
+    rng = np.random.default_rng(1)
+    pushes = [[{key: rng.standard_normal(shape).astype(np.float32)
+                for key, shape in CODEC_SHAPES.items()} for _ in range(4)]
+              for _ in range(2)]  # fmt: skip
+    host_sums = [[{key: step[2 * h][key] + step[2 * h + 1][key] for key in CODEC_SHAPES}
+                  for h in range(2)] for step in pushes]  # fmt: skip
+    hier = _codec_job(spec, 4, 2, pushes)
+    for rank in range(1, 4):  # every worker of every host pulls the same values
+        for key in CODEC_SHAPES:
+            np.testing.assert_array_equal(hier[rank][key], hier[0][key], err_msg=key)
+    if name in STOCHASTIC:
+        assert all(np.isfinite(hier[0][key]).all() for key in CODEC_SHAPES)
+        return
+    flat = _codec_job(spec, 2, 1, host_sums)
+    for key in CODEC_SHAPES:
+        np.testing.assert_array_equal(hier[0][key], flat[0][key], err_msg=key)

@@ -4,14 +4,13 @@ hivemind's compression, the lockstep of rounds; and the workers' options."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from kvtest import reports_of_workers
 
 from benchmarks.common import REPO
 from benchmarks.hivemind_mnist import parse_args
@@ -194,26 +193,11 @@ def test_two_workers_train_the_language_model_on_loopback(
     common = ["--num-workers", "2", "--host", "127.0.0.1", "--peer-file",
               str(tmp_path / "rank0"), "--compression", "fp16",
               *(["--local-updates"] if local_updates else []), *tiny]  # fmt: skip
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.hivemind_charlm", "--rank", str(rank), *common],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
+    argvs = [
+        [sys.executable, "-m", "benchmarks.hivemind_charlm", "--rank", str(rank), *common]
         for rank in range(2)
     ]
-    try:
-        outputs = [worker.communicate(timeout=300) for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
-    for worker, (_, err) in zip(workers, outputs, strict=True):
-        assert worker.returncode == 0, err[-3000:]
-    lines = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    lines = reports_of_workers(argvs, cwd=REPO)
     assert [line["step"] for line in lines] == [2, 4]
     assert lines[-1]["hivemind_epoch"] == 4  # one collective round per step of every worker
     assert lines[-1]["hivemind_peers"] == 2

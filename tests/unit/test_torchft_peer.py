@@ -5,14 +5,13 @@ of each workload training on loopback (skipped where torchft is not installed)."
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
+from kvtest import reports_of_workers
 
 from benchmarks.common import REPO
 from benchmarks.torchft_mnist import parse_args
@@ -98,40 +97,13 @@ def _train_on_loopback(module: str, mode: str, training: list[str]) -> list[dict
     common = ["--num-workers", "2", "--host", "127.0.0.1", "--lighthouse",
               f"127.0.0.1:{lighthouse}", "--mode", mode, *training]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                module,
-                "--rank",
-                str(rank),
-                *common,
-                "--store-port",
-                str(ports[2 * rank]),
-                "--manager-port",
-                str(ports[2 * rank + 1]),
-                *(["--start-lighthouse"] if rank == 0 else []),
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
+    argvs = [
+        [sys.executable, "-m", module, "--rank", str(rank), *common,
+         "--store-port", str(ports[2 * rank]), "--manager-port", str(ports[2 * rank + 1]),
+         *(["--start-lighthouse"] if rank == 0 else [])]
         for rank in range(2)
-    ]
-    try:
-        outputs = [worker.communicate(timeout=300) for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
-    for worker, (_, err) in zip(workers, outputs, strict=True):
-        assert worker.returncode == 0, err[-3000:]
-    assert not outputs[1][0].strip()  # only worker 0 reports
-    return [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    ]  # fmt: skip
+    return reports_of_workers(argvs, cwd=REPO, env=env)
 
 
 @needs_torchft
