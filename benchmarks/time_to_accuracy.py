@@ -583,6 +583,9 @@ def summaries(
             "sent_bytes_per_host_to_target": (
                 None if there is None else there.get("sent_bytes_per_host")
             ),
+            "sent_bytes_per_host_final": (
+                records[-1].get("sent_bytes_per_host") if records else None
+            ),
             "cpu_busy_max": max((r["cpu_busy"] for r in records if "cpu_busy" in r), default=None),
         }  # fmt: skip
         # Its reports on free links, as many as it needed here: a run of the same training
@@ -649,14 +652,18 @@ def write_table(
         if s.get("over_floor"):
             source = "" if s["floor_from"] == s["run"] else f" ({s['floor_from']}'s)"
             floor = f"{s['over_floor']:.2f}x{source}"
-        sent = s.get("sent_bytes_per_host_to_target")
+        # a run that did not get there: the reports it made, and what it sent for them
+        sent = s.get(
+            "sent_bytes_per_host_to_target" if t is not None else "sent_bytes_per_host_final"
+        )
         sent_mb = f"{sent / 1e6:.1f}" if sent is not None else "-"
+        done = s["to_target"] if t is not None else f"{s['reports']} done"
         cpu = f"{s['cpu_busy_max']:.2f}" if s.get("cpu_busy_max") is not None else "-"
         peer = best_peer.get(rate)
         peer_ratio = f"{ratio(peer[1], t)} ({peer[0]})" if peer else "-"
         last = f"{s['final_quality']:.2f}" if perplexity else f"{s['final_quality']:.2%}"
         lines.append(f"| {rate:g} | {s['run']} | {SERVERS.get(s['system'], '-')} "
-                     f"| {s['to_target'] or '-'} | {shown} | "
+                     f"| {done} | {shown} | "
                      f"{last} | {sent_mb} | {cpu} | "
                      f"{ratio(times.get((dense, rate)), t)} | "
                      f"{ratio(times.get((allreduce, rate)), t)} | {peer_ratio} "
@@ -744,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
         "--from",
         dest="source",
         type=Path,
-        help="train nothing: rebuild --table and --plot from earlier JSON lines",
+        help="train nothing: rebuild --table and --plot from earlier JSON lines (with --rates: "
+        "only those rates' runs)",
     )
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -769,7 +777,10 @@ def main(argv: list[str] | None = None) -> int:
         for line in args.source.read_text().splitlines():
             record = json.loads(line)
             reports = "epoch" in record or "step" in record
-            if reports and record.get("rate_mbit") == 0:
+            rate = record.get("rate_mbit")
+            if args.rates and rate and rate not in args.rates and "preset" not in record:
+                continue  # --rates: only these rates' rows (and every floor)
+            if reports and rate == 0:
                 floors.setdefault(record["run"], []).append(record)
             elif reports:
                 by_run.setdefault((record["run"], record["rate_mbit"]), []).append(record)
@@ -777,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures[record["run"], record["rate_mbit"]] = record["error"]
             elif "preset" in record:  # the setting the plot's title names
                 args.workers = record.get("workers", args.workers)
-                rates = record.get("rates_mbit", [record.get("rate_mbit", args.rate)])
+                rates = args.rates or record.get("rates_mbit", [record.get("rate_mbit", args.rate)])
                 args.model = record.get("model", args.model)
     else:
         from benchmarks.netns import available

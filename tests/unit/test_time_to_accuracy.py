@@ -14,6 +14,7 @@ from benchmarks.time_to_accuracy import (
     NO_REPORT,
     last_words,
     lines_until,
+    main,
     progress_record,
     reached,
     report_point,
@@ -132,3 +133,28 @@ def test_lines_end_with_the_stream_before_the_deadline():
         with os.fdopen(write, "w") as writer:
             writer.write("a\nb\n")
         assert list(lines_until(stream, time.monotonic() + 60)) == ["a\n", "b\n"]
+
+
+def test_a_run_that_did_not_get_there_says_how_far_it_got(tmp_path):
+    records = _records("ps-2bit", [(1, 0.8, 40.0), (2, 0.9, 80.0)], "accuracy")
+    for record, sent in zip(records, (5e6, 9e6), strict=True):
+        record["sent_bytes_per_host"] = sent
+    table = tmp_path / "t.md"
+    write_table(table, summaries({("ps-2bit", 10.0): records}, 0.97), 0.97)
+    row = table.read_text().splitlines()[-1]
+    assert row.startswith("| 10 | ps-2bit | colocated | 2 done | not reached | 90.00% | 9.0 |")
+
+
+def test_tables_are_rebuilt_for_the_rates_asked_for(tmp_path):
+    lines = [{"bench": "time_to_accuracy", "preset": "full", "workers": 4, "model": "cnn",
+              "rates_mbit": [10.0, 100.0]}]  # fmt: skip
+    for rate, accuracy in ((10.0, 0.95), (100.0, 0.98), (0.0, 0.98)):
+        lines.append({"run": "diloco", "system": "kvstore", "rate_mbit": rate, "epoch": 1,
+                      "accuracy": accuracy, "seconds": 5.0, "wall": 5.0})  # fmt: skip
+    source = tmp_path / "runs.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    table = tmp_path / "t.md"
+    main(["--from", str(source), "--rates", "100", "--table", str(table)])
+    rows = table.read_text().splitlines()[2:]
+    assert len(rows) == 1 and rows[0].startswith("| 100 | diloco | colocated | 1 | 5.0 |")
+    assert rows[0].endswith("| 1.00x |")  # the floor at rate 0 is kept
