@@ -5,7 +5,8 @@ rank 0's, so a job whose workers seeded their models differently (or not at all)
 from one model. It goes through ``kv.init``, which is collective and keeps rank 0's value: every
 worker declares the key (shape, dtype), only rank 0's value is sent, and each worker's ``init``
 returns once the servers hold it, so the pull that follows returns rank 0's value whatever the
-other workers' tensors held. Rank 0 keeps its tensors as they are. ``init`` sends values as
+other workers' tensors held. Rank 0 pulls too, and gets its own tensors back unchanged (a
+pull is collective on a host whose workers aggregate there). ``init`` sends values as
 they are (no codec encodes them, and NaN or infinities pass), and the keys are made without
 compression, so every dtype travels exactly: float32/64/16 and int32/64 as they are,
 bfloat16 through float32, bool and 8/16-bit integers through int32.
@@ -134,8 +135,8 @@ def _share_from_rank0(kv: Any, named: list[tuple[str, torch.Tensor]], prefix: st
     keys = [f"{prefix}{call}/{name}" for name, _ in named]
     values = [_carrier(name, tensor) for name, tensor in named]
     kv.init(keys, values, compression=EXACT)
-    if kv.rank == 0:
-        return  # its tensors are the value
+    # rank 0 pulls its own values back too (unchanged: they travel exactly), as every worker
+    # of a host whose workers aggregate there must make the same calls
     kv.pull(keys, out=values)
     for (_, tensor), value in zip(named, values, strict=True):
         _write_back(tensor, value)

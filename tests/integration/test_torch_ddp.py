@@ -67,8 +67,9 @@ def test_the_hook_without_compression_matches_plain_ddp(results):
         for a, b in zip(plain, hooked, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
     # DDP's buckets went through the servers, more than one per step once DDP rebuilt them
-    # (after the first step) at bucket_cap_mb, for both hooked models
-    assert results[0]["pushed"] > 2 * STEPS
+    # (after the first step) at bucket_cap_mb, for both hooked models (torchrun's two workers
+    # share a host, so each pushed a share of them)
+    assert results[0]["pushed"] + results[1]["pushed"] > 2 * STEPS
 
 
 def test_the_hook_with_2bit_keeps_the_workers_identical(results):
