@@ -39,6 +39,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -59,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 _CHECK_PEERS_EVERY = 0.5
 """Seconds between two checks that the host's other workers are alive, while waiting for them."""
+_WARN_AFTER = 60.0
+"""Seconds of waiting for the host's other workers after which a worker says what it waits for
+(without ``KVSTORE_TIMEOUT`` it would otherwise wait silently)."""
 
 
 def group_tag(servers: Sequence[str], host_index: int) -> str:
@@ -194,7 +198,21 @@ class HostGroup:
         poller = zmq.Poller()
         poller.register(self._inbox, zmq.POLLIN)
         expected = set(self._peers()) if senders is None else senders
+        started = time.monotonic()
+        warned = False
         while not expected <= self._arrived.get(tag, {}).keys():
+            if not warned and time.monotonic() - started > _WARN_AFTER:
+                warned = True
+                missing = sorted(expected - set(self._arrived.get(tag, {})))
+                logger.warning(
+                    "worker rank(s) %s of this host have not reached %s after %g s: every "
+                    "worker of a host must make the same calls in the same order (a pull on "
+                    "rank 0 alone waits for the others); KVSTORE_HIERARCHY=0 lets each worker "
+                    "exchange on its own",
+                    [self._rank_of(p) for p in missing],
+                    _describe(tag),
+                    _WARN_AFTER,
+                )
             remaining = deadline.remaining()
             if remaining is not None and remaining <= 0:
                 missing = sorted(expected - set(self._arrived.get(tag, {})))

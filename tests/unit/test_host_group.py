@@ -177,3 +177,18 @@ def test_meetings_are_told_apart_by_their_tag():
     finally:
         for group in groups:
             group.close()
+
+
+def test_a_worker_waiting_long_for_its_host_says_why(monkeypatch, caplog):
+    import kvstore.worker.host_group as host_group
+
+    monkeypatch.setattr(host_group, "_WARN_AFTER", 0.1)
+    groups = _group(2)
+    try:
+        with pytest.raises(KVStoreTimeoutError):
+            groups[0].meet(("alone",), Deadline(0.6))
+        assert "must make the same calls in the same order" in caplog.text
+        assert "KVSTORE_HIERARCHY=0" in caplog.text
+    finally:
+        for group in groups:
+            group.close()
