@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    lm = load_language_model(args, args.rank, args.num_workers)
+    lm = load_language_model(args)
     dist.init_process_group(
         "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.num_workers
     )
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         return float(loss.item())
 
     report = print_report if args.rank == 0 else None
-    train_lm(args, lm, args.rank, args.num_workers, step, opt, lambda: lm.network, report)
+    train_lm(args, lm, step, opt, lambda: lm.network, report)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    lm = load_language_model(args, args.rank, args.num_workers)
+    lm = load_language_model(args)
     network = lm.network
 
     def adamw(params: Any) -> torch.optim.Optimizer:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
             return float(loss.item())
 
         evaluated = evaluated_model(args, network, opt)
-        train_lm(args, lm, args.rank, args.num_workers, step, None, lambda: evaluated,
+        train_lm(args, lm, step, None, lambda: evaluated,
                  reporter(args, opt))  # fmt: skip
 
 

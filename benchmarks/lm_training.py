@@ -80,9 +80,10 @@ class LanguageModel:
         torch.nn.utils.clip_grad_norm_(params, self.example.CLIP_NORM)
 
 
-def load_language_model(args: argparse.Namespace, rank: int, num_workers: int) -> LanguageModel:
+def load_language_model(args: argparse.Namespace) -> LanguageModel:
     """Seed torch, keep it on one thread (the emulated hosts share this machine's cores) and
-    load rank ``rank``'s part of the workload (:class:`LanguageModel`)."""
+    load rank ``args.rank``'s part of the workload (:class:`LanguageModel`) of
+    ``args.num_workers``."""
     import torch
 
     torch.manual_seed(args.seed)  # every rank draws the same initial weights, as the example's
@@ -94,7 +95,7 @@ def load_language_model(args: argparse.Namespace, rank: int, num_workers: int) -
     return LanguageModel(
         example=example,
         corpus=corpus,
-        text=corpus.shard(text_corpus.train, rank, num_workers),
+        text=corpus.shard(text_corpus.train, args.rank, args.num_workers),
         validation=corpus.fixed_windows(text_corpus.validation, args.val_windows, args.context),
         network=models.CharTransformer(size),
     )
@@ -103,8 +104,6 @@ def load_language_model(args: argparse.Namespace, rank: int, num_workers: int) -
 def train_lm(
     args: argparse.Namespace,
     lm: LanguageModel,
-    rank: int,
-    num_workers: int,
     step: Callable[[torch.Tensor, torch.Tensor], float],
     scheduled: torch.optim.Optimizer | None,
     evaluated: Callable[[], nn.Module],
@@ -112,7 +111,8 @@ def train_lm(
 ) -> None:
     """Train ``args.steps`` steps: before each, the optimizer ``scheduled`` gets the example's
     learning rate for it (None: the worker's optimizer follows the schedule itself), then
-    ``step(inputs, targets)`` trains on this rank's windows for it and returns the loss. With
+    ``step(inputs, targets)`` trains on rank ``args.rank``'s windows for it and returns the
+    loss. With
     ``report`` (worker 0), every ``--eval-every`` steps and after the last, the model
     ``evaluated()`` returns is scored on the validation windows and reported (the module's
     keys)."""
@@ -123,7 +123,7 @@ def train_lm(
             for group in scheduled.param_groups:
                 group["lr"] = lm.example.learning_rate(args, number)
         inputs, targets = lm.corpus.sample_windows(
-            lm.text, args.batch_size, args.context, seed=args.seed, rank=rank, step=number
+            lm.text, args.batch_size, args.context, seed=args.seed, rank=args.rank, step=number
         )
         loss_sum += step(inputs, targets)
         loss_steps += 1
@@ -132,7 +132,7 @@ def train_lm(
         val_loss = lm.example.evaluate(evaluated(), lm.validation)
         report({
             "step": number,
-            "samples": number * args.batch_size * num_workers,
+            "samples": number * args.batch_size * args.num_workers,
             "loss": loss_sum / loss_steps,
             "val_loss": val_loss,
             "perplexity": math.exp(val_loss),

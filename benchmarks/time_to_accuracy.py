@@ -523,6 +523,13 @@ def host_sent_bytes(cluster: Any) -> list[int]:
     return [int(counter.read_text()) for counter in counters]
 
 
+def system_of(run: dict[str, Any]) -> str:
+    """The system a run of :data:`RUNS` trains with: ``kvstore``, ``ddp`` or its peer's name."""
+    if "peer" in run:
+        return str(run["peer"])
+    return "ddp" if "ddp" in run else "kvstore"
+
+
 def _spec(run: dict[str, Any]) -> dict[str, Any]:
     if "peer" in run:
         return {"system": run["peer"], **{k: v for k, v in run.items() if k != "peer"}}
@@ -670,7 +677,7 @@ def write_table(
                      f"| {floor} |")  # fmt: skip
     for (name, rate), error in (failures or {}).items():
         why = error if error.startswith(NO_REPORT) else f"did not train: {last_words(error)}"
-        servers = SERVERS.get(str(_spec(RUNS[name])["system"]), "-") if name in RUNS else "-"
+        servers = SERVERS.get(system_of(RUNS[name]), "-") if name in RUNS else "-"
         lines.append(f"| {rate:g} | {name} | {servers} | {why} | | | | | | | | |")
     path.write_text("\n".join(lines) + "\n")
 

@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    lm = load_language_model(args, args.rank, args.num_workers)
+    lm = load_language_model(args)
     network = lm.network
     inner = lm.adamw(network.parameters(), args.lr)
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             return float(loss.item())
 
         report = print_report if args.rank == 0 else None
-        train_lm(args, lm, args.rank, args.num_workers, step, inner, lambda: job.synced.model,
+        train_lm(args, lm, step, inner, lambda: job.synced.model,
                  report)  # fmt: skip
 
 

@@ -514,9 +514,7 @@ class KVStore:
         self._pushes.refuse_nonfinite([(state, v) for state, v in work])
         deadline = self._deadline()  # (for the chunks' previous pushes, over the whole call)
         if self._host is not None:
-            for state, v in work:  # the host's sum, of which this worker pushes its share
-                total = self._host.host_sum(state.key, v, deadline)
-                self._pushes.send(state, total, Op.PUSH, priority, deadline=deadline)
+            self._push_for_host(work, priority, deadline)
             return
         for state, v in work:
             # (see kvstore.worker.prefetch; KVSTORE_VALUE_PREFETCH=0 turns it off)
@@ -552,6 +550,16 @@ class KVStore:
             landing = Landing(state, o, self._shared.stats)
             pending.append((landing, self._pulls.requests(state, landing, priority)))
         self._pulls.receive(pending, deadline)
+
+    def _push_for_host(
+        self, work: list[tuple[KeyState, Any]], priority: int, deadline: Deadline
+    ) -> None:
+        """A push with hierarchical aggregation: the host's sum of each key, of which this
+        worker encodes and sends its share of the chunks (:mod:`kvstore.worker.host_group`)."""
+        assert self._host is not None
+        for state, v in work:
+            total = self._host.host_sum(state.key, v, deadline)
+            self._pushes.send(state, total, Op.PUSH, priority, deadline=deadline)
 
     def _pull_for_host(
         self, work: list[tuple[KeyState, Any]], priority: int, deadline: Deadline
@@ -592,9 +600,7 @@ class KVStore:
         self._pushes.refuse_nonfinite([(state, v) for state, v, _ in work])
         deadline = self._deadline()
         if self._host is not None:  # the host's push, then its pull
-            for state, v, _ in work:
-                total = self._host.host_sum(state.key, v, deadline)
-                self._pushes.send(state, total, Op.PUSH, priority, deadline=deadline)
+            self._push_for_host([(state, v) for state, v, _ in work], priority, deadline)
             self._pull_for_host([(state, o) for state, _, o in work], priority, deadline)
             return
         pending = []

@@ -142,6 +142,9 @@ class HostGroup:
         self._context = zmq.Context()
         self._inbox = self._context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
+        self._poller = zmq.Poller()
+        self._poller.register(self._inbox, zmq.POLLIN)
+        self._peers = frozenset(range(self.size)) - {self.local_rank}
         self._outboxes: dict[int, zmq.Socket] = {}
         self._arrived: dict[tuple[Any, ...], dict[int, Any]] = {}
         self._pids: dict[int, int] = {}
@@ -153,7 +156,7 @@ class HostGroup:
         self._closed = False
         try:
             self._inbox.bind(self._address(self.local_rank))
-            for peer in self._peers():
+            for peer in sorted(self._peers):
                 outbox = self._context.socket(zmq.PUSH)
                 outbox.setsockopt(zmq.LINGER, 1000)
                 outbox.connect(self._address(peer))
@@ -167,9 +170,6 @@ class HostGroup:
 
     def _address(self, local_rank: int) -> str:
         return f"ipc://{self._folder}/worker-{local_rank}"
-
-    def _peers(self) -> list[int]:
-        return [peer for peer in range(self.size) if peer != self.local_rank]
 
     def _rank_of(self, local_rank: int) -> int:
         return self.first_rank + local_rank
@@ -195,34 +195,32 @@ class HostGroup:
     ) -> dict[int, Any]:
         """Wait until every other worker of the host (or each of ``senders``) sent ``tag``;
         what each noted with it."""
-        poller = zmq.Poller()
-        poller.register(self._inbox, zmq.POLLIN)
-        expected = set(self._peers()) if senders is None else senders
+        expected = self._peers if senders is None else senders
+        arrived = self._arrived.setdefault(tag, {})
         started = time.monotonic()
         warned = False
-        while not expected <= self._arrived.get(tag, {}).keys():
+        while not expected <= arrived.keys():
+            missing = [self._rank_of(peer) for peer in sorted(expected - arrived.keys())]
             if not warned and time.monotonic() - started > _WARN_AFTER:
                 warned = True
-                missing = sorted(expected - set(self._arrived.get(tag, {})))
                 logger.warning(
                     "worker rank(s) %s of this host have not reached %s after %g s: every "
                     "worker of a host must make the same calls in the same order (a pull on "
                     "rank 0 alone waits for the others); KVSTORE_HIERARCHY=0 lets each worker "
                     "exchange on its own",
-                    [self._rank_of(p) for p in missing],
+                    missing,
                     _describe(tag),
                     _WARN_AFTER,
                 )
             remaining = deadline.remaining()
             if remaining is not None and remaining <= 0:
-                missing = sorted(expected - set(self._arrived.get(tag, {})))
                 raise KVStoreTimeoutError(
-                    f"the workers of rank(s) {[self._rank_of(p) for p in missing]} on this "
-                    f"host did not reach {_describe(tag)} within {deadline.timeout} s "
-                    f"(KVSTORE_TIMEOUT; every worker of a host must make the same calls)"
+                    f"the workers of rank(s) {missing} on this host did not reach "
+                    f"{_describe(tag)} within {deadline.timeout} s (KVSTORE_TIMEOUT; every "
+                    f"worker of a host must make the same calls)"
                 )
             wait = _CHECK_PEERS_EVERY if remaining is None else min(remaining, _CHECK_PEERS_EVERY)
-            if poller.poll(round(wait * 1000)):
+            if self._poller.poll(round(wait * 1000)):
                 while True:
                     try:
                         raw = self._inbox.recv(zmq.NOBLOCK)
@@ -231,12 +229,12 @@ class HostGroup:
                     got, sender, note = msgpack.unpackb(raw)
                     self._arrived.setdefault(tuple(got), {})[sender] = note
             elif check_peers:
-                self._check_peers(tag)
+                self._check_peers(tag, arrived)
         return self._arrived.pop(tag)
 
-    def _check_peers(self, tag: tuple[Any, ...]) -> None:
+    def _check_peers(self, tag: tuple[Any, ...], arrived: dict[int, Any]) -> None:
         for peer, pid in self._pids.items():
-            if peer not in self._arrived.get(tag, {}) and pid and not _alive(pid):
+            if peer not in arrived and pid and not _alive(pid):
                 raise WorkerLostError(
                     f"worker rank {self._rank_of(peer)} (local rank {peer} on this host, pid "
                     f"{pid}) died while this worker waited for it at {_describe(tag)}",

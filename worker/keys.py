@@ -66,6 +66,9 @@ class KeyState:
     # With hierarchical aggregation (kvstore.worker.host_group), the indices of the chunks
     # this worker pushes and pulls for its host; None: all of them.
     exchanged: frozenset[int] | None = None
+    # The chunks this worker exchanges with the servers itself, in chunk order: all of them, or
+    # its share of its host's (set by ready()).
+    own_chunks: tuple[Chunk, ...] = ()
     # Value prefetch (kvstore.worker.prefetch): whether this key's pushes are followed by a
     # pull, and the requests of the last push that asked for the values (per chunk), not yet
     # pulled.
@@ -83,14 +86,6 @@ class KeyState:
         if self.held is not None:
             return None, self.held[chunk.index].version
         return self.relay_limits[chunk.index] or None, None
-
-    @property
-    def own_chunks(self) -> tuple[Chunk, ...]:
-        """The chunks this worker exchanges with the servers itself, in chunk order: all of
-        them, or its share of its host's (:attr:`exchanged`)."""
-        if self.exchanged is None:
-            return self.chunks
-        return tuple(chunk for chunk in self.chunks if chunk.index in self.exchanged)
 
     @property
     def numel(self) -> int:
@@ -125,8 +120,11 @@ class KeyState:
         self.pushes_sent = [0] * len(self.chunks)
         self.relay_limits = relay_limits
         order = interleaved_order(self.chunks)
+        self.own_chunks = self.chunks
         if self.exchanged is not None:  # (hierarchical aggregation: this worker's share)
-            order = tuple(chunk for chunk in order if chunk.index in self.exchanged)
+            shared = self.exchanged
+            order = tuple(chunk for chunk in order if chunk.index in shared)
+            self.own_chunks = tuple(chunk for chunk in self.chunks if chunk.index in shared)
         self.send_order = order
 
 
