@@ -58,6 +58,7 @@ def create(
     local_rank: int | None = None,
     local_size: int | None = None,
     hierarchy: bool | None = None,
+    replicas: int | None = None,
 ) -> KVStore:
     """Create a store and connect it to its servers.
 
@@ -89,6 +90,8 @@ def create(
         local_size: k, the workers on each host (overrides ``KVSTORE_LOCAL_SIZE`` and
             ``LOCAL_WORLD_SIZE``).
         hierarchy: with k > 1, aggregate on the host first (``KVSTORE_HIERARCHY``).
+        replicas: R, the servers holding each shard (``KVSTORE_REPLICAS``; the servers must
+            have the same).
 
     Raises:
         ValueError: unknown ``name`` (the message lists the valid ones).
@@ -122,6 +125,7 @@ def create(
         pull_relay=pull_relay,
         heartbeat_timeout=heartbeat_timeout,
         hierarchy=hierarchy,
+        replicas=replicas,
     )
     if mode == "local":
         if servers is not None or (num_workers not in (None, 1)) or rank not in (None, 0):

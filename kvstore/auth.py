@@ -58,6 +58,11 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 """Where libzmq asks a context's ZAP handler about every handshake (RFC 27)."""
 _ZAP_VERSION = b"1.0"
 ZAP_DOMAIN = b"kvstore"
+WORKER_USER_ID = b"kvstore-worker"
+"""The ZAP user id of a connection that proved it holds the job's client key."""
+SERVER_USER_ID = b"kvstore-server"
+"""The ZAP user id of a connection that proved it holds the job's server key (another server of
+the job); each message's ``User-Id`` property says it."""
 """The ZAP domain of a server socket with keys (any name would do: it makes libzmq ask)."""
 DENIAL_LOG_INTERVAL = 10.0
 """Seconds between two warnings about refused connections (the rest are counted)."""
@@ -224,6 +229,22 @@ def secure_server(sock: zmq.Socket, keys: CurveKeys) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret_key.encode())
 
 
+def server_public_key(keys: CurveKeys) -> str:
+    """The job's server public key, from a server's credentials (Z85 text)."""
+    return _own_public(keys).decode()
+
+
+def secure_server_peer(sock: zmq.Socket, keys: CurveKeys) -> None:
+    """Make ``sock`` a CURVE client of another server of the job, authenticated by the job's
+    server key pair (which only servers hold; their ZAP handlers admit it as
+    :data:`SERVER_USER_ID`), before it connects."""
+    _require_curve()
+    public = _own_public(keys)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret_key.encode())
+
+
 def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:
     """Make ``sock`` a CURVE client with the job's client keys, talking only to a server that
     holds the job's server secret key (before it connects)."""
@@ -369,8 +390,12 @@ class ZapHandler:
         client_key: str,
         name: str = "server",
         watch: zmq.Socket | None = None,
+        server_key: str | None = None,
     ) -> None:
         self._allowed = z85.decode(client_key.encode())
+        # The job's server public key: another server of the job (a replica's link,
+        # kvstore.server.replication) authenticates with the server pair it holds.
+        self._server = z85.decode(server_key.encode()) if server_key is not None else None
         self._name = name
         self.describe_address: Callable[[str], str | None] | None = None
         """Maps the address libzmq reports to the peer's own (a server behind its admission
@@ -496,9 +521,11 @@ class ZapHandler:
         mechanism, credentials = request[5], request[6:]
         if mechanism != b"CURVE" or len(credentials) != 1:
             return self._refuse(request_id, address, f"a {mechanism!r} handshake (not CURVE)")
+        if self._server is not None and hmac.compare_digest(credentials[0], self._server):
+            return [_ZAP_VERSION, request_id, b"200", b"OK", SERVER_USER_ID, b""]
         if not hmac.compare_digest(credentials[0], self._allowed):
             return self._refuse(request_id, address, "a client key that is not the job's")
-        return [_ZAP_VERSION, request_id, b"200", b"OK", b"kvstore-worker", b""]
+        return [_ZAP_VERSION, request_id, b"200", b"OK", WORKER_USER_ID, b""]
 
     def refuse_unencrypted(self, address: str) -> None:
         """Count and log (rate-limited) a client at ``address`` that offered no encryption,

@@ -318,6 +318,9 @@ class WorkerOptions:
             (:mod:`kvstore.zerocopy`); False: pyzmq's zero-copy sends.
         value_prefetch: in dist_sync, pushes followed by pulls ask for the round's value
             (:mod:`kvstore.worker.prefetch`); False: pushes and pulls are separate requests.
+        replicas: R, the servers that hold each shard (``KVSTORE_REPLICAS``): its primary and
+            the next R - 1 in rank order; a lost server's requests go to the next live one
+            (:mod:`kvstore.server.replication`). 1: no replication.
     """
 
     bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
@@ -335,6 +338,7 @@ class WorkerOptions:
     curve: CurveKeys | None = None
     native_sends: bool = True
     value_prefetch: bool = True
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.bigarray_bound < 1:
@@ -352,6 +356,7 @@ class WorkerOptions:
         if not self.send_queue_ms >= 0:
             raise ConfigError(f"send_queue_ms must be >= 0, got {self.send_queue_ms}")
         check_heartbeat_timeout(self.heartbeat_timeout)
+        check_replicas(self.replicas)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> WorkerOptions:
@@ -436,6 +441,12 @@ class ServerConfig:
         admission_gate: on TCP, accept connections through the admission gate, which bounds
             what peers can make the server hold; False: the ZeroMQ socket listens itself (for
             measuring the gate's cost).
+        replicas: R (``KVSTORE_REPLICAS``): the server keeps a backup of the shards of the
+            R - 1 servers before it in rank order and forwards each round of its own shard to
+            the R - 1 after it (:mod:`kvstore.server.replication`); 1: no replication.
+        peers: the job's server addresses in rank order (``KVSTORE_SERVERS``), where the
+            server is told them at start: a server that replaces a lost one needs them to be
+            caught up. None: learnt from the workers' handshakes.
     """
 
     host: str = "127.0.0.1"
@@ -456,6 +467,8 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     receive_buffer_bytes: int = DEFAULT_RECEIVE_BUFFER_BYTES
     admission_gate: bool = True
+    replicas: int = 1
+    peers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -486,6 +499,12 @@ class ServerConfig:
                 f"receive_buffer_bytes must be >= {MIN_RECEIVE_BUFFER_BYTES}, got "
                 f"{self.receive_buffer_bytes}"
             )
+        check_replicas(self.replicas, self.num_servers)
+        if self.peers is not None and len(self.peers) != self.num_servers:
+            raise ConfigError(
+                f"KVSTORE_SERVERS lists {len(self.peers)} servers but --num-servers is "
+                f"{self.num_servers}"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ServerConfig:
@@ -497,8 +516,21 @@ class ServerConfig:
         values.update(config_fields(env, SERVER_CONFIG))
         values["metrics"] = metrics_config_from_env(env)
         values["curve"] = curve_keys_from_env("server", env)
+        if env.get("KVSTORE_SERVERS"):
+            values["peers"] = parse_server_list("KVSTORE_SERVERS", env["KVSTORE_SERVERS"])
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def check_replicas(replicas: int, num_servers: int | None = None) -> None:
+    """Refuse a replica count below 1, or above the job's servers (``num_servers``)."""
+    if replicas < 1:
+        raise ConfigError(f"KVSTORE_REPLICAS must be >= 1, got {replicas}")
+    if num_servers is not None and replicas > num_servers:
+        raise ConfigError(
+            f"KVSTORE_REPLICAS={replicas} needs at least {replicas} servers, the job has "
+            f"{num_servers}"
+        )
 
 
 def heartbeat_interval(timeout: float) -> float:

@@ -262,7 +262,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "comma-separated addresses",
         "(required for dist_*)",
         "worker",
-        "Server addresses in server-rank order, e.g. `tcp://10.0.0.1:9100,tcp://10.0.0.2:9100`.",
+        "Server addresses in server-rank order, e.g. `tcp://10.0.0.1:9100,tcp://10.0.0.2:9100`. "
+        "A server reads it too where it is set: one that replaces a lost server of a job with "
+        "`KVSTORE_REPLICAS` > 1 needs it to be caught up.",
         parse=parse_server_list,
         field="servers",
         read_by=(CLUSTER_CONFIG,),
@@ -494,6 +496,20 @@ ENV_VARS: tuple[EnvVar, ...] = (
         parse=Number(minimum=0.0),
         field="send_queue_ms",
         read_by=(WORKER_OPTIONS,),
+    ),
+    EnvVar(
+        "KVSTORE_REPLICAS",
+        "int >= 1",
+        "1",
+        "worker, server",
+        "Keep every server's shard on R servers: its primary and the next R - 1 in rank order. "
+        "Each round is forwarded to the backups before it is answered; a worker whose server is "
+        "lost goes on with the next live replica, with nothing lost or applied twice, so the job "
+        "survives R - 1 lost servers. Needs at least R servers; equal on servers and workers "
+        "(`kvstore-launch --replicas` passes it on).",
+        parse=Integer(minimum=1),
+        field="replicas",
+        read_by=(WORKER_OPTIONS, SERVER_CONFIG),
     ),
     EnvVar(
         "KVSTORE_HIERARCHY",

@@ -188,6 +188,10 @@ class ErrorCode(StrEnum):
     MESSAGE_LIMIT = "message_limit"
     WORKER_LOST = "worker_lost"
     CHECKPOINT = "checkpoint"
+    REPLICA = "replica"
+    """A replica's state does not follow its primary's (a backup that missed a round)."""
+    SHARD_MOVED = "shard_moved"
+    """The shard is answered by another replica now (its backup took over)."""
     INTERNAL = "internal"
 
 

@@ -357,3 +357,16 @@ def interleaved_order(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
     for chunk in chunks:
         first_of_server.setdefault(chunk.server, chunk.index)
     return tuple(sorted(chunks, key=lambda c: (c.index - first_of_server[c.server], c.server)))
+
+
+def replica_servers(shard: int, num_servers: int, replicas: int) -> tuple[int, ...]:
+    """The servers that hold shard ``shard`` (the chunks whose primary is server ``shard``)
+    with ``replicas`` replicas: its primary, then the next ``replicas - 1`` servers in rank
+    order, wrapping around. A lost replica's requests go to the next live one in this order."""
+    return tuple((shard + i) % num_servers for i in range(replicas))
+
+
+def backed_up_shards(server: int, num_servers: int, replicas: int) -> tuple[int, ...]:
+    """The shards of which ``server`` holds a backup: those of the ``replicas - 1`` servers
+    before it in rank order."""
+    return tuple((server - i) % num_servers for i in range(1, replicas))

@@ -67,7 +67,7 @@ import zmq
 
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_KEY_LENGTH = 1024
@@ -76,6 +76,8 @@ MAX_PARAMS = 64
 MAX_ACKS = 65536
 MAX_TEXT = 4096
 """Longest str field (codec and optimizer names, error messages); :func:`error` truncates."""
+MAX_SERVERS = 4096
+"""The most server addresses a HELLO may list."""
 MAX_PAYLOAD_FRAMES = 4
 """The most payload frames a request may declare (a codec's push has at most two: indices and
 values, or scales and codes); the server's admission gate closes a connection whose request
@@ -100,7 +102,8 @@ _INT64_MAX = 2**63 - 1
 
 
 class Op(IntEnum):
-    """Message operations. Requests go worker -> server; REPLY and ERROR go back."""
+    """Message operations. Requests go worker -> server (REPLICATE and CATCH_UP server ->
+    server, :mod:`kvstore.server.replication`); REPLY and ERROR go back."""
 
     HELLO = 1
     INIT = 2
@@ -113,6 +116,8 @@ class Op(IntEnum):
     PING = 9
     SAVE = 10
     LOAD = 11
+    REPLICATE = 12
+    CATCH_UP = 13
     REPLY = 16
     ERROR = 17
 
@@ -195,6 +200,13 @@ def _check_rids(name: str, value: Any) -> None:
         _check_uint(name, rid)
 
 
+def _check_addresses(name: str, value: Any) -> None:
+    if not isinstance(value, list) or len(value) > MAX_SERVERS:
+        raise ProtocolError(f"field {name!r} must be a list of at most {MAX_SERVERS} addresses")
+    for address in value:
+        _check_str(name, address)
+
+
 def _check_lane(name: str, value: Any) -> None:
     if type(value) is not int or value not in (LANE_DATA, LANE_CONTROL):  # (not 1.0 or True)
         raise ProtocolError(
@@ -217,7 +229,7 @@ def _check_params(name: str, value: Any) -> None:
 VERSION = _check_version
 BOOL = _check_bool
 
-KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE, RIDS, LANE = (
+KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE, RIDS, LANE, ADDRESSES = (
     _check_key,
     _check_uint,
     _check_str,
@@ -227,6 +239,7 @@ KEY, UINT, STR, DTYPE, SHAPE, PARAMS, MODE, RIDS, LANE = (
     _check_mode,
     _check_rids,
     _check_lane,
+    _check_addresses,
 )
 
 # The schema: one dataclass per op ---------------------------------------------------------
@@ -262,6 +275,11 @@ class HelloFields:
     pushers_per_host: int | None = _wire("ph", UINT, optional=True)
     """How many workers of a host push its sum (k, with hierarchical aggregation: each chunk
     of a round is then pushed once per host, N/k pushes; None: 1, every worker pushes)."""
+    replicas: int | None = _wire("rp", UINT, optional=True)
+    """R, the servers that hold each shard (``KVSTORE_REPLICAS``; None: 1, no replication)."""
+    servers: list[str] | None = _wire("sa", ADDRESSES, optional=True)
+    """With R > 1: the job's server addresses in rank order, where a server that was started
+    without them learns its backups' addresses."""
 
 
 @dataclass(slots=True)
@@ -286,6 +304,9 @@ class InitFields:
     averaged: bool | None = _wire("av", BOOL, optional=True)
     """True: the chunk holds the mean of the workers' pushes and the server optimizer never
     touches it (``kv.init(..., averaged=True)``); None or False: a normal key."""
+    shard: int | None = _wire("sd", UINT, optional=True)
+    """With replication: the rank of the chunk's primary server, where this server holds a
+    backup of it; None: this server is its primary."""
 
 
 @dataclass(slots=True)
@@ -295,6 +316,9 @@ class PushFields:
     key: int | str = _wire("k", KEY)
     chunk: int = _wire("c", UINT)
     numel: int = _wire("n", UINT)
+    sequence: int | None = _wire("sq", UINT, optional=True)
+    """With replication: this push's number among the worker's pushes of the chunk (from 1),
+    by which a replica that takes over recognises a push it already applied."""
 
 
 @dataclass(slots=True)
@@ -320,6 +344,8 @@ class PushPullFields:
     numel: int = _wire("n", UINT)
     relay_limit: int | None = _wire("rx", UINT, optional=True)
     held_version: int | None = _wire("pv", VERSION, optional=True)
+    sequence: int | None = _wire("sq", UINT, optional=True)
+    """As :attr:`PushFields.sequence`."""
 
 
 @dataclass(slots=True)
@@ -369,6 +395,37 @@ class LoadFields:
 
 
 @dataclass(slots=True)
+class ReplicateFields:
+    """REPLICATE: a primary server hands one finished round of a chunk to a backup, which
+    replays it (:mod:`kvstore.server.replication`). The payload is one frame: the round's
+    pushes' frames, each starting at a multiple of 64 bytes, in the order they were summed
+    (``kind`` 2), or the round's dense sum (``kind`` 1); none for a round that failed
+    (``kind`` 0)."""
+
+    key: int | str = _wire("k", KEY)
+    chunk: int = _wire("c", UINT)
+    kind: int = _wire("kd", UINT)
+    ranks: list[int] = _wire("rk", RIDS)
+    """The ranks whose pushes the round counted, in the order they were summed."""
+    sizes: list[int] = _wire("sz", RIDS)
+    """Bytes of each push's frames, push after push (``kind`` 2)."""
+    frames: list[int] = _wire("fc", RIDS)
+    """How many frames each push has (``kind`` 2)."""
+    updates: int = _wire("up", UINT)
+    """The chunk's rounds before this one, which the backup must also have had."""
+
+
+@dataclass(slots=True)
+class CatchUpFields:
+    """CATCH_UP: a server that joins a running job asks a replica for the state of one shard
+    (the reply carries a snapshot of it, and the replica forwards its later rounds)."""
+
+    shard: int = _wire("sd", UINT)
+    address: str = _wire("ad", STR)
+    """Where the joining server serves (the replica's link to it connects there)."""
+
+
+@dataclass(slots=True)
 class ReplyFields:
     """REPLY: the answer to a request (payloads: a value, when the request asked for one)."""
 
@@ -412,6 +469,8 @@ Fields = (
     | PingFields
     | SaveFields
     | LoadFields
+    | ReplicateFields
+    | CatchUpFields
     | ReplyFields
     | ErrorFields
 )
@@ -429,6 +488,8 @@ FIELDS_OF: dict[Op, type] = {
     Op.PING: PingFields,
     Op.SAVE: SaveFields,
     Op.LOAD: LoadFields,
+    Op.REPLICATE: ReplicateFields,
+    Op.CATCH_UP: CatchUpFields,
     Op.REPLY: ReplyFields,
     Op.ERROR: ErrorFields,
 }
@@ -462,6 +523,8 @@ _PAYLOAD_COUNT: dict[Op, tuple[int, ...]] = {
     Op.PING: (0,),
     Op.SAVE: (0,),
     Op.LOAD: (0,),
+    Op.REPLICATE: (0, 1),
+    Op.CATCH_UP: (0,),
     Op.ERROR: (0,),
 }
 

@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         "min(4, CPUs))",
     )
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="R",
+        help="servers that hold each shard: a backup of the R-1 servers before this one, and "
+        "this one's rounds forwarded to the R-1 after it (default: KVSTORE_REPLICAS, else 1)",
+    )
+    parser.add_argument(
         "--max-message-bytes",
         type=int,
         default=None,
@@ -131,6 +139,7 @@ def parse_command_line(argv: Sequence[str] | None = None) -> tuple[ServerConfig,
             num_workers=args.num_workers,
             threads=args.threads,
             max_message_bytes=args.max_message_bytes,
+            replicas=args.replicas,
         ), args.stop_on_stdin_eof
     except ConfigError as exc:
         parser.error(str(exc))

@@ -142,6 +142,16 @@ class ChunkState:
     pull_codec: Codec | None = None
     pull: PublishedWeights | None = None
     pull_by_rank: dict[int, PublishedWeights] = field(default_factory=dict)
+    # replication (kvstore.server.replication): the rank of the chunk's primary server; the
+    # rounds it had (each forwarded to its backups, or replayed from its primary); pushes of
+    # each rank this server knows of (received, or in a replayed round), by which a push
+    # resent after a failover is recognised; the pushes of the round being summed, in
+    # order; and the frames the last round answered with (a multi-round codec's reply)
+    shard: int = 0
+    rounds: int = 0
+    pushes_seen: Counter[int] = field(default_factory=Counter)
+    round_pushes: list[tuple[int, list[Any]]] = field(default_factory=list)
+    last_answer: list[bytes] | None = None
 
     @property
     def initialized(self) -> bool:

@@ -70,6 +70,9 @@ class Job:
     lost: dict[int, str] = field(default_factory=dict)
     rejoined: set[int] = field(default_factory=set)
     failed: set[tuple[bytes, int]] = field(default_factory=set)
+    # replication: the shards this server answers for (its own, and those of lost primaries
+    # it took over); the others it holds are backups, changed only by their primary's rounds
+    serving: set[int] = field(default_factory=set)
 
     def lost_message(self, rank: int, what: str) -> str:
         """Why ``what`` fails while worker ``rank`` is lost."""
@@ -109,7 +112,7 @@ class ServerState:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.job = Job()
+        self.job = Job(serving={config.server_rank})
         self.metrics: ServerMetrics | None = None
         self.max_message: int | None = None
         if not (config.bind or "").startswith("inproc://"):
@@ -125,7 +128,7 @@ class ServerState:
 
     def reset_job(self) -> None:
         """Forget the job: its keys, optimizer, mode and ranks; serve the next one."""
-        self.job = Job()
+        self.job = Job(serving={self.config.server_rank})
         if self.heard is not None:
             self.heard.clear()
 

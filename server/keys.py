@@ -10,6 +10,7 @@ can see an uninitialised key. Pushes and pulls then find their chunk through
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from kvstore.server.chunk import ChunkSpec, ChunkState, PendingReply
 from kvstore.server.errors import RequestError
 from kvstore.server.job import ServerState
 from kvstore.server.replies import Replies
-from kvstore.topology import Key
+from kvstore.topology import Key, backed_up_shards
 from kvstore.wire import InitFields, Message, Op
 
 
@@ -36,6 +37,26 @@ class Keys:
     def __init__(self, state: ServerState, replies: Replies) -> None:
         self._state = state
         self._replies = replies
+        self.take_over: Callable[[int], None] = lambda shard: None
+        """Called with a backed-up shard a worker addressed (its primary was lost), before
+        the request is served (:meth:`kvstore.server.replication.Replication.take_over`)."""
+
+    def _shard_of(self, init: InitFields) -> int:
+        """The primary server of the chunk an INIT declares: this server, or (``shard``) one
+        of those it holds backups of."""
+        config = self._state.config
+        if init.shard is None or init.shard == config.server_rank:
+            return config.server_rank
+        if init.shard not in backed_up_shards(
+            config.server_rank, config.num_servers, config.replicas
+        ):
+            raise RequestError(
+                ErrorCode.BAD_VALUE,
+                f"key {init.key!r} chunk {init.chunk}: server {config.server_rank} holds no "
+                f"backup of server {init.shard}'s shard with KVSTORE_REPLICAS={config.replicas}; "
+                f"set it equal on servers and workers",
+            )
+        return init.shard
 
     def _chunk_spec(self, init: InitFields) -> tuple[ChunkSpec, Codec]:
         """The chunk an INIT declares, and its push codec; refuses what cannot work."""
@@ -94,11 +115,18 @@ class Keys:
     def on_init(self, identity: bytes, rank: int, msg: Message[InitFields]) -> None:
         """Declare a chunk (rank 0 also stores its value); answered once the value is in."""
         spec, codec = self._chunk_spec(msg.body)
+        shard = self._shard_of(msg.body)
         chunks = self._state.job.chunks
         chunk = chunks.get((spec.key, spec.index))
         if chunk is None:
-            chunk = ChunkState(spec=spec, codec=codec)
+            chunk = ChunkState(spec=spec, codec=codec, shard=shard)
             chunks[(spec.key, spec.index)] = chunk
+        elif chunk.shard != shard:
+            raise RequestError(
+                ErrorCode.SPEC_MISMATCH,
+                f"{spec.name} is server {chunk.shard}'s, rank {rank} declared it server "
+                f"{shard}'s; every worker must use the same KVSTORE_SERVERS",
+            )
         if rank in chunk.declared:
             raise RequestError(
                 ErrorCode.DUPLICATE_INIT,
@@ -186,6 +214,8 @@ class Keys:
                 ErrorCode.NOT_INITIALIZED,
                 f"rank {rank} never called kv.init for key {key!r}; init is collective",
             )
+        if chunk.shard not in self._state.job.serving:  # its primary was lost: answer for it
+            self.take_over(chunk.shard)
         return chunk
 
     def worker_lost(self, chunk: ChunkState, rank: int) -> None:

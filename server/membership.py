@@ -66,6 +66,9 @@ class Membership:
         # The sessions released because their worker was lost (identity -> rank), newest last,
         # so that a stalled worker that wakes up is told why it is no longer served.
         self._released: dict[bytes, int] = {}
+        self.learn_peers: Callable[[list[str], int], None] = lambda servers, rank: None
+        """Told the job's server addresses a worker's HELLO lists (replication's
+        :meth:`~kvstore.server.replication.Replication.learn_peers`)."""
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start checking for silent workers (with a heartbeat timeout)."""
@@ -129,6 +132,15 @@ class Membership:
                 f"same number of workers (KVSTORE_LOCAL_SIZE), and KVSTORE_HIERARCHY must be "
                 f"the same on every worker",
             )
+        if (hello.replicas or 1) != cfg.replicas:
+            raise RequestError(
+                ErrorCode.CLUSTER_MISMATCH,
+                f"worker rank {rank} keeps each shard on {hello.replicas or 1} server(s) "
+                f"(KVSTORE_REPLICAS) but server {cfg.server_rank} was started with "
+                f"KVSTORE_REPLICAS={cfg.replicas}: set it equal on servers and workers",
+            )
+        if hello.servers is not None:
+            self.learn_peers(hello.servers, rank)
         if job.mode is not None and mode != job.mode:
             ranks = sorted({r for r, _ in job.ranks})
             raise RequestError(

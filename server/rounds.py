@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kvstore import wire
 from kvstore.codecs.base import relay_fits
@@ -46,6 +48,9 @@ from kvstore.server.keys import Keys
 from kvstore.server.replies import Replies
 from kvstore.server.work import WorkRunner
 from kvstore.wire import Message, Op, PullFields, PushFields, PushPullFields
+
+if TYPE_CHECKING:
+    from kvstore.server.replication import Replication
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +65,83 @@ class Rounds:
         keys: finds the chunk a push or pull is for.
     """
 
-    def __init__(self, state: ServerState, replies: Replies, work: WorkRunner, keys: Keys) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        replies: Replies,
+        work: WorkRunner,
+        keys: Keys,
+        replication: Replication,
+    ) -> None:
         self._state = state
         self._replies = replies
         self._work = work
         self._keys = keys
+        self.replication = replication
+
+    # a backup's side of replication -------------------------------------------------------------
+
+    async def replay(
+        self,
+        chunk: ChunkState,
+        ranks: list[int],
+        pushes: list[list[Any]] | None,
+        aggregate: np.ndarray | None,
+    ) -> None:
+        """Redo a round of ``chunk`` that its primary forwarded (on a backup): the same
+        arithmetic, so the same bits. ``pushes``: the round's pushes in the order the primary
+        summed them; ``aggregate``: its dense sum instead; neither: the round failed there.
+        Counts the round's pushes of ``ranks`` as applied."""
+        async with chunk.lock:
+            aggregator = chunk.aggregator
+            answer = None
+            try:
+                if pushes is not None:
+                    for i, payloads in enumerate(pushes):
+                        await self._work.run(chunk, aggregator.add, payloads, i == 0)
+                    intermediate = await self._work.run(chunk, self._finisher(chunk))
+                    if intermediate is None:
+                        answer = _copied(aggregator.reply_frames())
+                        await self._apply(chunk, aggregator.result)
+                    else:
+                        answer = _copied(intermediate)
+                elif aggregate is not None:  # (a codec whose round ends with its sum)
+                    np.copyto(aggregator.result, aggregate, casting="no")
+                    await self._apply(chunk, aggregator.result)
+                else:
+                    aggregator.abandon()
+            finally:
+                chunk.relay = None  # (answered densely if this replica takes over)
+                chunk.last_answer = answer
+                for rank in ranks:
+                    chunk.applied[rank] += 1
+
+    def replay_and_answer(
+        self,
+        chunk: ChunkState,
+        identity: bytes,
+        rid: int,
+        ranks: list[int],
+        pushes: list[list[Any]] | None,
+        aggregate: np.ndarray | None,
+    ) -> None:
+        """:meth:`replay` a forwarded round as the chunk's work, then answer the primary's
+        request ``rid`` (an empty reply, or the error that stopped the replay)."""
+
+        async def replayed() -> None:
+            try:
+                await self.replay(chunk, ranks, pushes, aggregate)
+            except Exception as exc:
+                logger.error(
+                    "replaying a round of %s failed: %s", chunk.spec.name, printable(repr(exc))
+                )
+                self._replies.error(
+                    identity, rid, Op.REPLICATE, ErrorCode.REPLICA, f"{chunk.spec.name}: {exc}"
+                )
+                return
+            self._replies.send(identity, wire.reply(rid), Op.REPLICATE)
+
+        self._work.submit(replayed())
 
     # push --------------------------------------------------------------------------------------
 
@@ -93,10 +170,43 @@ class Rounds:
             )
         else:
             reply = PendingReply(identity, msg.rid, rank, False, msg.op, 0, None)
+        if push.sequence is not None and self._seen_before(chunk, rank, push.sequence):
+            self._work.submit(self._answer_again(chunk, reply))
+            return
         if job.mode == "dist_async":
             self._work.submit(self._push_async(chunk, reply, msg.payloads))
         else:
             self._admit(chunk, Deferred(reply, msg.payloads))
+
+    @staticmethod
+    def _seen_before(chunk: ChunkState, rank: int, sequence: int) -> bool:
+        """Whether push number ``sequence`` of ``rank`` is one this server has already (sent
+        again after a failover: its round was replicated here); counts it as seen if not.
+
+        Refuses a push that skips one: this replica missed a round of its primary's."""
+        seen = chunk.pushes_seen[rank]
+        if sequence <= seen:
+            return True
+        if sequence != seen + 1:
+            raise RequestError(
+                ErrorCode.REPLICA,
+                f"{chunk.spec.name}: push {sequence} of rank {rank} arrived, but this server "
+                f"knows of {seen} of its pushes: it missed rounds of the chunk's primary",
+            )
+        chunk.pushes_seen[rank] = sequence
+        return False
+
+    async def _answer_again(self, chunk: ChunkState, reply: PendingReply) -> None:
+        """Answer a push this server already applied (its round was replicated here before
+        the primary that took it was lost), once the chunk's work before it is done: as its
+        round answered it (a multi-round codec's frames), or with the current value."""
+        async with chunk.lock:
+            if chunk.last_answer is not None and not reply.want_value:
+                self._replies.send(
+                    reply.identity, wire.reply(reply.rid, None, chunk.last_answer), reply.op
+                )
+            else:
+                self._finish_push(chunk, reply, None)
 
     def _admit(self, chunk: ChunkState, push: Deferred) -> None:
         """Give a sync push its place in the current round, or defer it to a later one."""
@@ -110,16 +220,19 @@ class Rounds:
             chunk.round_started = time.perf_counter()  # the round's first push
         chunk.round_ranks.add(rank)
         chunk.round_replies.append(push.reply)
-        self._work.submit(self._accumulate(chunk, push.payloads))
+        self._work.submit(self._accumulate(chunk, push))
         if self._state.job.lost:
             self._fail_blocked(chunk)
 
-    async def _accumulate(self, chunk: ChunkState, payloads: list[Any]) -> None:
+    async def _accumulate(self, chunk: ChunkState, push: Deferred) -> None:
+        payloads = push.payloads
         async with chunk.lock:  # turns are granted in arrival order
             first = chunk.accumulated == 0
             try:
                 await self._work.run(chunk, chunk.aggregator.add, payloads, first)
                 self._keep_for_relay(chunk, payloads)
+                if self.replication.backs_up(chunk):  # (forwarded as summed, in this order)
+                    chunk.round_pushes.append((push.reply.rank, payloads))
             except Exception as exc:
                 self._replies.warn(
                     logger,
@@ -142,20 +255,33 @@ class Rounds:
     async def _complete_round(self, chunk: ChunkState) -> None:
         replies, error = chunk.round_replies, chunk.round_error
         summed, started = chunk.round_payloads, chunk.round_started
+        pushes, chunk.round_pushes = chunk.round_pushes, []
         chunk.round_ranks, chunk.round_replies, chunk.round_payloads = set(), [], []
         chunk.round_error, chunk.accumulated = None, 0
         intermediate = acknowledgement = None
+        aggregate = None
         if error is None:
             try:
                 intermediate = await self._work.run(chunk, self._finisher(chunk))
                 if intermediate is None:
                     acknowledgement = _copied(chunk.aggregator.reply_frames())
-                    await self._apply(chunk, chunk.aggregator.result)
+                    aggregate = chunk.aggregator.result
+                    await self._apply(chunk, aggregate)
                     chunk.relay = self._relay_of_round(chunk, summed)
                 else:
                     intermediate = _copied(intermediate)
             except Exception as exc:
                 error = exc
+        chunk.rounds += 1
+        chunk.last_answer = intermediate if intermediate is not None else acknowledgement
+        if self.replication.backs_up(chunk):  # the backups have the round before anyone sees it
+            ranks = [reply.rank for reply in replies]
+            try:
+                await self.replication.forward(
+                    chunk, ranks, None if error is not None else pushes, aggregate
+                )
+            except RequestError as exc:  # another replica answers for the shard now
+                error = error or exc
         if error is None and intermediate is not None:
             for reply in replies:
                 if self._push_applied(chunk, reply):
@@ -188,10 +314,22 @@ class Rounds:
                         f"codec {chunk.codec.name!r} needs several round trips per step, "
                         f"which only dist_sync provides",
                     )
-                await self._apply(chunk, chunk.aggregator.result)
+                aggregate = chunk.aggregator.result
+                await self._apply(chunk, aggregate)
                 chunk.relay = None  # an optimizer's update: only the dense value says it
             except Exception as exc:
                 error = exc
+            chunk.rounds += 1
+            if self.replication.backs_up(chunk):
+                try:
+                    await self.replication.forward(
+                        chunk,
+                        [reply.rank],
+                        None if error is not None else [(reply.rank, payloads)],
+                        aggregate if error is None else None,
+                    )
+                except RequestError as exc:
+                    error = error or exc
             self._pushes_done(chunk, [reply], error)
 
     def _finisher(self, chunk: ChunkState) -> Any:
@@ -407,6 +545,7 @@ class Rounds:
         """Fail the pushes and pulls of the lost ``rank`` on ``chunk`` that are not in a round,
         and, in dist_sync, what waits on a round that lacks its push."""
         chunk.applied.pop(rank, None)  # the replacement counts its pushes from 0
+        chunk.pushes_seen.pop(rank, None)
         dropped = [push for push in chunk.deferred if push.reply.rank == rank]
         if dropped:  # not in a round yet: dropped (the lost rank's own round push stays)
             chunk.deferred = type(chunk.deferred)(

@@ -68,6 +68,7 @@ from kvstore.server.gate_sockets import relay_addresses_work
 from kvstore.server.job import ServerState
 from kvstore.server.keys import Keys
 from kvstore.server.membership import Membership
+from kvstore.server.replication import Replication
 from kvstore.server.replies import Replies, peer
 from kvstore.server.rounds import Rounds
 from kvstore.server.work import WorkRunner
@@ -100,6 +101,14 @@ def worker_address(host: str, port: int) -> str:
     resolve (``socket.getfqdn()`` often gives ``localhost`` on cluster nodes)."""
     shown = socket.gethostname() if host in WILDCARD_HOSTS else _in_brackets(host)
     return f"tcp://{shown}:{port}"
+
+
+def _user_id(frame: Any) -> str:
+    """The ZAP user id of the connection ``frame`` came on (CURVE only; else "")."""
+    try:
+        return str(frame.get("User-Id"))
+    except (AttributeError, zmq.ZMQError):
+        return ""
 
 
 def _in_brackets(host: str) -> str:
@@ -141,9 +150,13 @@ class ShardServer:
         )
         self._heard = self._state.heard  # (on the hot path: one dict store per request)
         self._keys = Keys(self._state, self._replies)
-        self._rounds = Rounds(self._state, self._replies, self._work, self._keys)
+        self._replication = Replication(self._state, self._replies, self._context)
+        self._rounds = Rounds(self._state, self._replies, self._work, self._keys, self._replication)
+        self._replication.rounds = self._rounds
+        self._keys.take_over = self._replication.take_over
         self._collectives = Collectives(self._state, self._replies, self._work)
         self._membership = Membership(self._state, self._replies, self._fail_waiting)
+        self._membership.learn_peers = self._replication.learn_peers
         self._handlers: dict[Op, Callable[[bytes, int, Message], None]] = {
             Op.INIT: self._keys.on_init,
             Op.PUSH: self._rounds.on_push,
@@ -181,7 +194,12 @@ class ShardServer:
             if cfg.curve is not None and not (cfg.bind or "").startswith("inproc://"):
                 # Before the bind: without a ZAP handler libzmq admits any CURVE client.
                 self._zap = auth.ZapHandler(
-                    self._context, cfg.curve.peer_key, f"server {cfg.server_rank}", watch=sock
+                    self._context,
+                    cfg.curve.peer_key,
+                    f"server {cfg.server_rank}",
+                    watch=sock,
+                    # (the job's other servers, whose links forward rounds to this one)
+                    server_key=auth.server_public_key(cfg.curve) if cfg.replicas > 1 else None,
                 )
                 self._zap.start()
                 auth.secure_server(sock, cfg.curve)
@@ -267,6 +285,7 @@ class ShardServer:
     async def stop(self) -> None:
         """Stop serving, close the socket and the thread pool."""
         self._membership.stop()
+        self._replication.close()
         if self._fd is not None and self._loop is not None:
             self._loop.remove_reader(self._fd)
             self._fd = None
@@ -389,6 +408,9 @@ class ShardServer:
         try:
             if msg.op is Op.HELLO:
                 self._membership.on_hello(identity, msg)
+                return
+            if msg.op is Op.REPLICATE:  # from another server: no worker session
+                self._replication.on_replicate(identity, msg, _user_id(frames[0]))
                 return
             handler = self._handlers.get(msg.op)
             if handler is None:

@@ -49,7 +49,7 @@ from kvstore._malloc import tune_malloc
 from kvstore.codecs import Codec, codec_from_spec
 from kvstore.codecs.identity import IdentityCodec
 from kvstore.codecs.pulled import pull_codec_from_spec
-from kvstore.config import ClusterConfig, WorkerOptions
+from kvstore.config import ClusterConfig, WorkerOptions, check_replicas
 from kvstore.errors import (
     CodecError,
     DuplicateInitError,
@@ -60,7 +60,7 @@ from kvstore.errors import (
 )
 from kvstore.metrics import WorkerMetrics
 from kvstore.optimizer_spec import OptimizerSpec, make_optimizer_spec
-from kvstore.topology import Key
+from kvstore.topology import Key, replica_servers
 from kvstore.wire import BarrierFields, InitFields, Op, SetOptimizerFields
 from kvstore.worker import prefetch
 from kvstore.worker import values as vals
@@ -113,6 +113,7 @@ class KVStore:
         self.num_servers = cluster.num_servers
         # Settings left to the job's size (push lead, TOS) are fixed here, once.
         self._options = (options or WorkerOptions()).for_job(cluster.num_workers)
+        check_replicas(self._options.replicas, cluster.num_servers)
         self._codec: Codec = IdentityCodec()
         self._pull_codec: Codec | None = None  # compressed pulls (set_pull_compression)
         # Every worker reads the same addresses, so every worker plans the same chunks.
@@ -141,6 +142,7 @@ class KVStore:
                 curve=self._options.curve,
                 heartbeat_timeout=self._options.heartbeat_timeout,
                 native_sends=self._options.native_sends,
+                replicas=self._options.replicas,
             )
         except BaseException:
             if metrics is not None:
@@ -422,6 +424,7 @@ class KVStore:
                 for state, _ in states:
                     self._host.add_key(state.key, state.numel, state.dtype, deadline)
             requests = []
+            replicas = self._options.replicas
             for state, v in states:
                 source = vals.host_copy(vals.flat_source(v)) if self.rank == 0 else None
                 for chunk in state.chunks:
@@ -439,14 +442,18 @@ class KVStore:
                     if state.held is not None and pull_codec is not None:
                         ask_for_compressed_pulls(init, pull_codec)
                     payloads = [source[chunk.start : chunk.stop]] if source is not None else []
-                    requests.append(
-                        self._shared.transport.submit(
-                            chunk.server,
-                            init,
-                            payloads,
-                            what=f"init of key {state.key!r} chunk {chunk.index}",
+                    # every replica of the chunk's shard starts from the same value
+                    for server in replica_servers(chunk.server, self.num_servers, replicas):
+                        requests.append(
+                            self._shared.transport.submit(
+                                server,
+                                init
+                                if server == chunk.server
+                                else dataclasses.replace(init, shard=chunk.server),
+                                payloads,
+                                what=f"init of key {state.key!r} chunk {chunk.index}",
+                            )
                         )
-                    )
             wait_all(requests, self._options.timeout)
             pushes_per_round = self.num_workers // self._shared.workers_per_push
             for state, _ in states:

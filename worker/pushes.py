@@ -90,6 +90,7 @@ class Pushes:
         source = vals.flat_source(value)
         requests: list[Any] = [None] * len(state.chunks)  # every slot filled below
         metrics = store.metrics
+        replicated = store.options.replicas > 1
         measured: list[PushQuality | None] | None = None
         if metrics is not None and metrics.measure(state.pushes_sent[0]):
             measured = []
@@ -116,21 +117,28 @@ class Pushes:
                     measured.append(encoder.quality(values))
                 what = f"{op.name} of key {state.key!r} chunk {chunk.index}"
                 rounds = encoder.round_trips
+                # With replication each push says which of this worker's pushes of the chunk
+                # it is, so that a replica it is sent to again after a failover knows it.
+                sequence = state.pushes_sent[chunk.index] + 1 if replicated else None
                 if rounds > 1:  # (PUSH only: see KVStore.pushpull and prefetch.asks_for_values)
                     assert op is Op.PUSH and landing is None
                     request = RoundTrips(
                         store.transport, stats, encoder, chunk.server,
-                        PushFields(state.key, chunk.index, chunk.numel),
+                        PushFields(state.key, chunk.index, chunk.numel, sequence),
                         priority, (state.key, chunk.index), what,
                     ).start(payloads)  # fmt: skip
                 else:
                     body: PushFields | PushPullFields
                     if op is Op.PUSHPULL:
                         body = PushPullFields(
-                            state.key, chunk.index, chunk.numel, *state.pull_offer(chunk)
+                            state.key,
+                            chunk.index,
+                            chunk.numel,
+                            *state.pull_offer(chunk),
+                            sequence=sequence,
                         )
                     else:
-                        body = PushFields(state.key, chunk.index, chunk.numel)
+                        body = PushFields(state.key, chunk.index, chunk.numel, sequence)
                     request = store.transport.submit(
                         chunk.server,
                         body,

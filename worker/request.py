@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvstore.errors import KVStoreError, KVStoreTimeoutError
 from kvstore.wire import Message, Op
@@ -56,6 +57,8 @@ class Request:
     __slots__ = (
         "rid",
         "server",
+        "shard",
+        "resend",
         "op",
         "what",
         "nbytes",
@@ -70,6 +73,10 @@ class Request:
     def __init__(self, rid: int, server: int, op: Op, what: str, nbytes: int) -> None:
         self.rid = rid
         self.server = server
+        # With replication: the server whose shard the request is for (``server`` is the
+        # replica it goes to), and what sending it again to another replica takes.
+        self.shard = server
+        self.resend: tuple[Any, ...] | None = None
         self.op = op
         self.what = what
         self.nbytes = nbytes

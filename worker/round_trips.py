@@ -8,6 +8,7 @@ Only ``dist_sync`` runs such codecs (``dist_async`` applies each push on arrival
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -65,10 +66,13 @@ class RoundTrips:
 
     def _submit(self, payloads: list[Any]) -> Request | None:
         self._round += 1
+        push = self._push
+        if push.sequence is not None:  # (replication: every round trip is a push of its own)
+            push = dataclasses.replace(push, sequence=push.sequence + self._round - 1)
         try:
             return self._transport.submit(
                 self._server,
-                self._push,
+                push,
                 payloads,
                 priority=self._priority,
                 order_key=self._order_key,

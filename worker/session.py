@@ -34,6 +34,7 @@ def handshake(store: StoreState, servers: Sequence[str]) -> None:
     check_host_names(servers)
     transport = store.transport
     timeout = store.options.connect_timeout
+    replicas = store.options.replicas
     requests = [
         transport.submit(
             server,
@@ -47,6 +48,9 @@ def handshake(store: StoreState, servers: Sequence[str]) -> None:
                 # the server refuses us here if our chunks could exceed its message limit
                 partition_bytes=store.options.partition_bytes,
                 pushers_per_host=store.workers_per_push if store.workers_per_push > 1 else None,
+                # with replication: where each server's backups are
+                replicas=replicas if replicas > 1 else None,
+                servers=list(servers) if replicas > 1 else None,
             ),
             what=f"handshake with server {server} ({address})",
             lane=lane,

@@ -62,12 +62,14 @@ from kvstore.config import CurveKeys
 from kvstore.errors import (
     AuthenticationError,
     ConnectionLostError,
+    ErrorCode,
     KVStoreError,
     ProtocolError,
     ServerLostError,
     error_from_code,
 )
 from kvstore.metrics import WorkerMetrics, frames_nbytes
+from kvstore.topology import replica_servers
 from kvstore.wire import LANE_CONTROL, LANE_DATA, Message, Op, PingFields, ReplyFields
 from kvstore.worker.connections import Connections, head_order
 from kvstore.worker.heartbeats import Heartbeats
@@ -94,6 +96,13 @@ _ACKNOWLEDGED = Message(op=Op.REPLY, rid=0, body=ReplyFields(), fields={}, paylo
 """What a push request holds when a later pull's reply acknowledged it (``ak``)."""
 
 _DATA_OPS = frozenset({Op.PUSH, Op.PUSHPULL, Op.INIT})
+
+_ROUTED_OPS = frozenset({Op.PUSH, Op.PUSHPULL, Op.PULL, Op.INIT, Op.BARRIER})
+"""Requests for a shard, which a lost server's next live replica answers (with replication)."""
+
+_ANSWERED_BY_REPLICAS = frozenset({Op.SET_OPTIMIZER, Op.BYE, Op.PING})
+"""Requests every server gets for itself: a lost one's are done once its shards went on with
+their replicas, which had their own."""
 
 IDLE_WAIT_MS = 1000
 """How long the I/O thread sleeps when nothing is due; input and submits wake it at once."""
@@ -147,8 +156,13 @@ class Transport:
         curve: CurveKeys | None = None,
         heartbeat_timeout: float = 0.0,
         native_sends: bool = True,
+        replicas: int = 1,
     ) -> None:
         self.servers = tuple(servers)
+        self._replicas = replicas
+        # With replication: which server answers for each shard (its primary, until a
+        # failover moves it to the next live replica).
+        self._route: dict[int, int] = {}
         self._metrics = metrics
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
@@ -227,24 +241,43 @@ class Transport:
         request._done_cb = on_done
         if lane is None:
             lane = LANE_DATA if op in _DATA_OPS else LANE_CONTROL
+        express = payload_bytes <= EXPRESS_BYTES
+        bulk = 0 if express else payload_bytes
+        if self._replicas > 1:
+            request.resend = (frames, lane, priority, order_key, express, bulk)
+        done: Message | None = None
         with self._lock:
             if self._closing:
                 raise KVStoreError("the store is closed")
+            if self._route and op in _ROUTED_OPS:
+                server = request.server = self._route.get(server, server)
             lost = self._lost.get(server)
-            if lost is None:
+            if lost is not None and self._route and op in _ANSWERED_BY_REPLICAS:
+                done, lost = _ACKNOWLEDGED, None  # (the shard's live replica has it itself)
+            elif lost is None:
                 self._pending[rid] = request
-                express = payload_bytes <= EXPRESS_BYTES
-                self._lanes[server][lane].queue.push(
-                    (frames, request, 0 if express else payload_bytes),
-                    priority,
-                    order_key,
-                    express=express,
-                    seq=next(self._seq),
-                )
-                self._wake()
-        if lost is not None:
+                self._queue(request, frames, lane, priority, order_key, express, bulk)
+        if done is not None:
+            request._complete(done, None)
+        elif lost is not None:
             request._complete(None, self._lost_error(server, request.what, lost))
         return request
+
+    def _queue(
+        self,
+        request: Request,
+        frames: list[Any],
+        lane: int,
+        priority: int,
+        order_key: Any,
+        express: bool,
+        bulk: int,
+    ) -> None:
+        """Queue ``request`` for its server's ``lane`` (the caller holds the lock)."""
+        self._lanes[request.server][lane].queue.push(
+            (frames, request, bulk), priority, order_key, express=express, seq=next(self._seq)
+        )
+        self._wake()
 
     def queue_depths(self) -> dict[str, int]:
         """Requests waiting, by :data:`kvstore.metrics.WORKER_QUEUES` name (any thread)."""
@@ -395,6 +428,8 @@ class Transport:
                     return wait_ms
                 lane = chosen
                 lane.queue.pop()
+                if request.server != lane.server:
+                    continue  # sent to another replica since it was queued (a failover)
                 lost = self._lost.get(lane.server)
             if lost is not None:
                 self._fail(request, self._lost_error(lane.server, request.what, lost))
@@ -462,6 +497,17 @@ class Transport:
         if request is None:
             logger.debug("reply to unknown request %d ignored", msg.rid)
             return
+        if msg.op is Op.ERROR and msg.body.code == ErrorCode.SHARD_MOVED:
+            # Another replica answers for the shard: this server was counted lost elsewhere.
+            with self._lock:
+                if request.resend is not None and request.op in _ROUTED_OPS:
+                    self._pending[request.rid] = request  # (moved with the server's others)
+            self._server_lost(
+                request.server,
+                f"server {request.server} ({self.servers[request.server]}) no longer answers "
+                f"for its shard: {msg.body.message}",
+            )
+            return
         if msg.op is Op.ERROR:
             where = f"server {request.server} ({self.servers[request.server]})"
             failure = msg.body
@@ -497,18 +543,67 @@ class Transport:
         return ServerLostError(f"{what}: {reason}", server, self.servers[server])
 
     def _server_lost(self, server: int, reason: str) -> None:
-        """Declare ``server`` lost: fail every request pending on it, and later ones at once."""
+        """Declare ``server`` lost: fail every request pending on it, and later ones at once.
+
+        With replication, the requests of each shard it answered for go to the shard's next
+        live replica instead (a failover), and so do later ones; only a shard with no live
+        replica left fails its requests."""
+        answered: list[Request] = []
         with self._lock:
             first = server not in self._lost
             reason = self._lost.setdefault(server, reason)
-            failed = [r for r in self._pending.values() if r.server == server]
-            for request in failed:
+            moved = self._fail_over(server) if first and self._replicas > 1 else {}
+            failed = []
+            for request in [r for r in self._pending.values() if r.server == server]:
+                target = moved.get(request.shard) if request.op in _ROUTED_OPS else None
+                if target is not None and request.resend is not None:
+                    request.server = target
+                    self._queue(request, *request.resend)
+                    continue
                 del self._pending[request.rid]
+                if moved and request.op in _ANSWERED_BY_REPLICAS:
+                    answered.append(request)
+                else:
+                    failed.append(request)
+            for lane in self._lanes[server]:  # (what it had on the way is gone with it)
+                self._in_flight_bytes -= sum(nbytes for _, nbytes in lane.in_flight)
+                lane.in_flight.clear()
         if first:
             logger.error("%s", reason)
+            for shard, target in moved.items():
+                logger.warning(
+                    "server %d's shard goes on with its replica on server %d (%s)",
+                    shard,
+                    target,
+                    self.servers[target],
+                )
         self._heartbeats.forget(server)
+        for request in answered:
+            request._complete(_ACKNOWLEDGED, None)
         for request in failed:
             request._complete(None, self._lost_error(server, request.what, reason))
+
+    def _fail_over(self, server: int) -> dict[int, int]:
+        """Route every shard that the lost ``server`` answered for to the shard's next live
+        replica (the caller holds the lock); returns shard -> its new server, for the shards
+        that have one."""
+        count = len(self.servers)
+        moved = {}
+        for shard in range(count):
+            if self._route.get(shard, shard) != server:
+                continue
+            replicas = replica_servers(shard, count, self._replicas)
+            start = replicas.index(server)
+            after = [replicas[(start + i) % len(replicas)] for i in range(1, len(replicas))]
+            target = next((r for r in after if r not in self._lost), None)
+            if target is not None:
+                self._route[shard] = moved[shard] = target
+        return moved
+
+    def live_route(self, shard: int) -> int:
+        """The server that answers for ``shard`` now (its primary unless it was lost)."""
+        with self._lock:
+            return self._route.get(shard, shard)
 
     def _send_ping(self, server: int) -> Request | None:
         """Send a PING to ``server`` on its control lane now (I/O thread): no queue, no window.

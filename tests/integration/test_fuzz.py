@@ -60,6 +60,7 @@ _EXAMPLES = {
     wire.PARAMS: {},
     wire.MODE: "dist_sync",
     wire.RIDS: [1],
+    wire.ADDRESSES: ["tcp://127.0.0.1:1"],
     wire.LANE: 0,
     wire.VERSION: -1,
     wire.BOOL: False,

@@ -19,7 +19,7 @@ GOLDEN = {
         1,
         {"r": 1, "nw": 2, "ns": 2, "si": 0, "m": "dist_sync", "ln": 1},
         [],
-        "8aa17605a26f7001a2696401a17201a26e7702a26e7302a2736900a16da9646973745f73796e63a26c6e01"
+        "8aa17606a26f7001a2696401a17201a26e7702a26e7302a2736900a16da9646973745f73796e63a26c6e01"
         "a26e6290",
     ),
     "INIT": (
@@ -36,7 +36,7 @@ GOLDEN = {
             "cp": {"threshold": 0.5},
         },
         [np.array([1, 2, 3], np.float32)],
-        "8ca17605a26f7002a2696402a16ba177a16300a16f00a16e03a26474a7666c6f61743332a273689103a263"
+        "8ca17606a26f7002a2696402a16ba177a16300a16f00a16e03a26474a7666c6f61743332a273689103a263"
         "64a432626974a2637081a97468726573686f6c64cb3fe0000000000000a26e62910c",
     ),
     "PUSH": (
@@ -44,23 +44,23 @@ GOLDEN = {
         3,
         {"k": 7, "c": 1, "n": 17},
         [bytes.fromhex("e3800003c0000000")],
-        "87a17605a26f7003a2696403a16b07a16301a16e11a26e629108",
+        "87a17606a26f7003a2696403a16b07a16301a16e11a26e629108",
     ),
     "PULL": (
         Op.PULL,
         4,
         {"k": 7, "c": 1, "af": 3, "rx": 8},
         [],
-        "88a17605a26f7004a2696404a16b07a16301a2616603a2727808a26e6290",
+        "88a17606a26f7004a2696404a16b07a16301a2616603a2727808a26e6290",
     ),
     "PUSHPULL": (
         Op.PUSHPULL,
         5,
         {"k": "w", "c": 0, "n": 2, "rx": 8},
         [np.array([0.5, -1], np.float32)],
-        "88a17605a26f7005a2696405a16ba177a16300a16e02a2727808a26e629108",
+        "88a17606a26f7005a2696405a16ba177a16300a16e02a2727808a26e629108",
     ),
-    "BARRIER": (Op.BARRIER, 6, {}, [], "84a17605a26f7006a2696406a26e6290"),
+    "BARRIER": (Op.BARRIER, 6, {}, [], "84a17606a26f7006a2696406a26e6290"),
     "SET_OPTIMIZER": (
         Op.SET_OPTIMIZER,
         7,
@@ -74,39 +74,53 @@ GOLDEN = {
             },
         },
         [],
-        "86a17605a26f7007a2696407a36f7074a3736764a2687084ad6c6561726e696e675f72617465cb3fb99999"
+        "86a17606a26f7007a2696407a36f7074a3736764a2687084ad6c6561726e696e675f72617465cb3fb99999"
         "9999999aa86d6f6d656e74756dcb3feccccccccccccda86e65737465726f76c2ad636c69705f6772616469"
         "656e74c0a26e6290",
     ),
-    "BYE": (Op.BYE, 8, {}, [], "84a17605a26f7008a2696408a26e6290"),
-    "PING": (Op.PING, 11, {}, [], "84a17605a26f7009a269640ba26e6290"),
+    "BYE": (Op.BYE, 8, {}, [], "84a17606a26f7008a2696408a26e6290"),
+    "PING": (Op.PING, 11, {}, [], "84a17606a26f7009a269640ba26e6290"),
     "SAVE": (
         Op.SAVE,
         12,
         {"p": "/ckpt/.run.saving"},
         [],
-        "85a17605a26f700aa269640ca170b12f636b70742f2e72756e2e736176696e67a26e6290",
+        "85a17606a26f700aa269640ca170b12f636b70742f2e72756e2e736176696e67a26e6290",
     ),
     "LOAD": (
         Op.LOAD,
         13,
         {"p": "/ckpt/run", "ph": 0, "er": "x"},
         [],
-        "87a17605a26f700ba269640da170a92f636b70742f72756ea2706800a26572a178a26e6290",
+        "87a17606a26f700ba269640da170a92f636b70742f72756ea2706800a26572a178a26e6290",
+    ),
+    "REPLICATE": (
+        Op.REPLICATE,
+        14,
+        {"k": "w", "c": 0, "kd": 2, "rk": [2, 0, 1], "sz": [8, 8, 8], "fc": [1, 1, 1], "up": 4},
+        [np.zeros(48, np.float32)],
+        "8ba17606a26f700ca269640ea16ba177a16300a26b6402a2726b93020001a2737a93080808a2666393010101a2757004a26e6291ccc0",
+    ),
+    "CATCH_UP": (
+        Op.CATCH_UP,
+        15,
+        {"sd": 1, "ad": "tcp://h:9"},
+        [],
+        "86a17606a26f700da269640fa2736401a26164a97463703a2f2f683a39a26e6290",
     ),
     "REPLY": (
         Op.REPLY,
         4,
         {"ak": [3, 9], "rl": 2},
         [np.array([1.5], np.float32)],
-        "86a17605a26f7010a2696404a2616b920309a2726c02a26e629104",
+        "86a17606a26f7010a2696404a2616b920309a2726c02a26e629104",
     ),
     "ERROR": (
         Op.ERROR,
         3,
         {"code": "not_initialized", "msg": "no"},
         [],
-        "86a17605a26f7011a2696403a4636f6465af6e6f745f696e697469616c697a6564a36d7367a26e6fa26e6290",
+        "86a17606a26f7011a2696403a4636f6465af6e6f745f696e697469616c697a6564a36d7367a26e6fa26e6290",
     ),
 }
 
@@ -128,8 +142,8 @@ def test_golden_bytes(name):
     assert [bytes(p) for p in decoded.payloads] == [bytes(memoryview(p)) for p in payloads]
 
 
-def test_version_is_five_and_checked_first():
-    assert wire.PROTOCOL_VERSION == 5
+def test_version_is_six_and_checked_first():
+    assert wire.PROTOCOL_VERSION == 6
     header = msgpack.packb({"v": 1, "op": 99, "id": 1, "nb": []})  # a worker of pskv 0.1
     with pytest.raises(ProtocolError, match="protocol version 1 is not supported"):
         wire.decode([header])

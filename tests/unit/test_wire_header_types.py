@@ -73,6 +73,7 @@ ACCEPTS: dict[Check, tuple[type, ...]] = {
     wire.MODE: (str,),
     wire.SHAPE: (list,),
     wire.RIDS: (list,),
+    wire.ADDRESSES: (list,),
     wire.PARAMS: (dict,),
     wire.BOOL: (bool,),
 }
@@ -110,6 +111,14 @@ OUT_OF_RANGE: dict[Check, list[Any]] = {
         [{}],
         [1, 2.0],
     ],  # (a list over MAX_ACKS does not fit in a header: see the test of its own below)
+    wire.ADDRESSES: [
+        [1],
+        [None],
+        [b"tcp://h:1"],
+        [["tcp://h:1"]],
+        ["x" * (wire.MAX_TEXT + 1)],
+        ["tcp://h:1"] * (wire.MAX_SERVERS + 1),
+    ],
     wire.PARAMS: [
         {b"lr": 0.1},
         {"lr": [0.1]},
@@ -133,6 +142,7 @@ VALID: dict[Check, Any] = {
     wire.MODE: "dist_sync",
     wire.SHAPE: [4],
     wire.RIDS: [1],
+    wire.ADDRESSES: ["tcp://h:1"],
     wire.PARAMS: {"lr": 0.1},
     wire.BOOL: True,
 }
@@ -235,7 +245,7 @@ def _envelope_cases() -> list[Any]:
     cases = []
     for value in [v for v in EVERY_TYPE if type(v) is not int] + [V - 1, V + 1, -1, UINT64_MAX]:
         cases.append(("v", value, 0, "protocol version|'v'"))
-    for value in [v for v in EVERY_TYPE if type(v) is not int] + [0, 12, 99, -1, UINT64_MAX]:
+    for value in [v for v in EVERY_TYPE if type(v) is not int] + [0, 14, 99, -1, UINT64_MAX]:
         cases.append(("op", value, 0, "unknown op"))
     for value in wrong_values(wire.UINT):
         cases.append(("id", value, 0, "'id'"))

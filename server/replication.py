@@ -1,0 +1,339 @@
+"""Server replication (``KVSTORE_REPLICAS=R``): every shard lives on R servers, so that a job
+survives R - 1 lost servers with nothing lost or applied twice.
+
+Placement: server ``p``'s shard (the chunks whose primary it is, :mod:`kvstore.topology`) is
+held by servers ``p, p+1, ..., p+R-1`` (mod S, :func:`~kvstore.topology.replica_servers`).
+Workers declare each chunk on all of them (an INIT with ``shard`` on a backup), so every
+replica starts from rank 0's value, and tell every server the optimizer; after that a backup's
+chunks change only by their primary's rounds.
+
+The primary's side (:meth:`Replication.forward`): when a round of a chunk is complete and
+applied, and before any of its pushes or pulls is answered, the primary hands the round to
+every live backup and waits until each has applied it (the output commit rule: no worker
+sees a round that a backup lacks). It sends the round once, aggregated or not, whichever is
+fewer bytes and replays exactly:
+
+* the round's dense sum (``kind`` 1), for codecs whose aggregator keeps nothing between
+  rounds and ends a round with the sum (dense pushes: one sum instead of N pushes);
+* the round's pushes in the order they were summed (``kind`` 2), for compressed pushes
+  (N 2-bit pushes are an eighth of one fp32 sum) and for codecs whose server keeps state or
+  answers in several round trips (the sketch, PowerSGD), whose arithmetic the backup redoes;
+* nothing but the ranks (``kind`` 0), for a round that failed.
+
+The backup's side (:meth:`Replication.on_replicate`): it replays the round on its copy of the
+chunk with the primary's own code (:meth:`~kvstore.server.rounds.Rounds.replay`): decode, sum
+in the same order, the optimizer's step, the compressed pulls' ``w_pub`` and version, a
+codec's server state. The same arithmetic on the same values gives the same bits, so a backup
+holds what its primary holds after every round it acknowledged. It counts the round's pushes
+per rank, and refuses a round that does not follow the last one it had (it missed one): the
+primary then stops forwarding to it.
+
+Failover: a worker that loses a server (its connection closed, or its heartbeat timed out)
+sends that server's requests to the next live replica of the shard
+(:mod:`kvstore.worker.transport`). A worker request on a backed-up chunk makes this server
+answer for the whole shard from then on (:meth:`Replication.take_over`); later rounds of the
+shard go to the replicas after it. Pushes carry their number among the worker's pushes of
+the chunk (``sequence``): a resent push whose round was replicated here is answered without
+being applied again (:meth:`~kvstore.server.rounds.Rounds._seen_before`); one whose round was
+not is summed in a round rebuilt from the resent pushes. Once a shard was taken over, its old
+primary's rounds are refused here (``SHARD_MOVED``), so a primary that was only slow cannot
+change a shard that another replica answers for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq
+
+from kvstore import auth
+from kvstore.errors import ErrorCode
+from kvstore.server.chunk import ChunkState
+from kvstore.server.errors import RequestError
+from kvstore.server.job import ServerState
+from kvstore.server.replica_link import LinkLost, RefusedByPeer, ReplicaLink
+from kvstore.server.replies import Replies
+from kvstore.topology import backed_up_shards, replica_servers
+from kvstore.wire import Message, ReplicateFields
+
+if TYPE_CHECKING:
+    from kvstore.server.rounds import Rounds
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 64
+"""Each push frame of a forwarded round starts at a multiple of this many bytes of its one
+payload, so that the backup decodes aligned views of it."""
+
+KIND_FAILED, KIND_SUM, KIND_PUSHES = 0, 1, 2
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pack_pushes(pushes: list[list[Any]]) -> tuple[bytearray, list[int], list[int]]:
+    """The frames of ``pushes`` in one buffer, each at a multiple of :data:`ALIGN`; with the
+    byte size of every frame and the frame count of every push."""
+    views = [[memoryview(getattr(f, "buffer", f)).cast("B") for f in push] for push in pushes]
+    sizes = [v.nbytes for push in views for v in push]
+    packed = bytearray(sum(_aligned(n) for n in sizes))
+    offset = 0
+    for push in views:
+        for view in push:
+            packed[offset : offset + view.nbytes] = view
+            offset += _aligned(view.nbytes)
+    return packed, sizes, [len(push) for push in views]
+
+
+def unpack_pushes(payload: Any, sizes: list[int], frames: list[int]) -> list[list[memoryview]]:
+    """The pushes :func:`pack_pushes` packed into ``payload`` (views, not copies)."""
+    buffer = memoryview(getattr(payload, "buffer", payload)).cast("B")
+    if sum(frames) != len(sizes) or sum(_aligned(n) for n in sizes) != buffer.nbytes:
+        raise RequestError(ErrorCode.BAD_MESSAGE, "a replicated round's sizes do not add up")
+    pushes, offset, i = [], 0, 0
+    for count in frames:
+        push = []
+        for size in sizes[i : i + count]:
+            push.append(buffer[offset : offset + size])
+            offset += _aligned(size)
+        pushes.append(push)
+        i += count
+    return pushes
+
+
+class Replication:
+    """One server's part in replication: forwarding its shards' rounds to their backups, and
+    replaying the rounds of the shards it backs up.
+
+    Args:
+        state: the server's shared state.
+        replies: the server's reply sender.
+        context: the server's ZeroMQ context (for the links to the backups).
+    """
+
+    def __init__(self, state: ServerState, replies: Replies, context: zmq.Context) -> None:
+        self._state = state
+        self._replies = replies
+        self._context = context
+        config = state.config
+        self.enabled = config.replicas > 1
+        self.peers: tuple[str, ...] | None = config.peers
+        self.rounds: Rounds | None = None
+        self._links: dict[int, ReplicaLink] = {}
+        self._dropped: dict[int, str] = {}  # backups no longer forwarded to, and why
+        self._backups: dict[int, tuple[ReplicaLink, ...]] = {}  # per shard served
+
+    # which chunks forward ------------------------------------------------------------------------
+
+    def backs_up(self, chunk: ChunkState) -> bool:
+        """Whether rounds of ``chunk`` go to backups (its shard is served here and has a live
+        backup)."""
+        return self.enabled and bool(self._backups_of(chunk.shard))
+
+    def _backups_of(self, shard: int) -> tuple[ReplicaLink, ...]:
+        links = self._backups.get(shard)
+        if links is None:
+            links = self._backups[shard] = self._open_backups(shard)
+        return links
+
+    def _open_backups(self, shard: int) -> tuple[ReplicaLink, ...]:
+        """The links to the live replicas of ``shard`` after this server, opened as needed."""
+        config = self._state.config
+        if self.peers is None or shard not in self._state.job.serving:
+            return ()
+        replicas = replica_servers(shard, config.num_servers, config.replicas)
+        after = replicas[replicas.index(config.server_rank) + 1 :]
+        return tuple(self._link(peer) for peer in after if peer not in self._dropped)
+
+    def _link(self, peer: int) -> ReplicaLink:
+        link = self._links.get(peer)
+        if link is None:
+            assert self.peers is not None
+            config = self._state.config
+            link = ReplicaLink(
+                self._context,
+                self.peers[peer],
+                peer,
+                config.curve,
+                config.heartbeat_timeout,
+                self._link_lost,
+            )
+            self._links[peer] = link
+        return link
+
+    def _link_lost(self, link: ReplicaLink, why: str) -> None:
+        self._drop(link.peer, why)
+
+    def _drop(self, peer: int, why: str) -> None:
+        """Stop forwarding to backup ``peer`` (it was lost, or missed a round)."""
+        if peer in self._dropped:
+            return
+        self._dropped[peer] = why
+        link = self._links.pop(peer, None)
+        if link is not None:
+            link.lose(why)
+        self._backups.clear()  # recomputed without it
+        logger.warning(
+            "server %d forwards no more rounds to server %d: %s; its shards have one replica "
+            "fewer until it is replaced",
+            self._state.config.server_rank,
+            peer,
+            why,
+        )
+
+    def learn_peers(self, servers: list[str], rank: int) -> None:
+        """The job's server addresses, as a worker's HELLO lists them (the first one that
+        lists them is taken; the others must agree)."""
+        if not self.enabled:
+            return
+        config = self._state.config
+        if len(servers) != config.num_servers:
+            raise RequestError(
+                ErrorCode.CLUSTER_MISMATCH,
+                f"worker rank {rank} lists {len(servers)} server addresses, the job has "
+                f"{config.num_servers}",
+            )
+        if self.peers is None:
+            self.peers = tuple(servers)
+            self._backups.clear()
+
+    def take_over(self, shard: int) -> None:
+        """Answer for ``shard`` from now on: a worker sent this backup a request of it, which
+        it does only once it lost the shard's replicas before this one."""
+        job = self._state.job
+        if shard in job.serving:
+            return
+        job.serving.add(shard)
+        self._backups.pop(shard, None)
+        logger.warning(
+            "server %d takes over server %d's shard: a worker lost the replicas before it",
+            self._state.config.server_rank,
+            shard,
+        )
+
+    # the primary's side ----------------------------------------------------------------------
+
+    async def forward(
+        self,
+        chunk: ChunkState,
+        ranks: list[int],
+        pushes: list[tuple[int, list[Any]]] | None,
+        aggregate: np.ndarray | None,
+    ) -> None:
+        """Hand a finished round of ``chunk`` to its live backups and wait until each applied
+        it. ``pushes``: the round's (rank, payloads) in the order summed (None: the round
+        failed); ``aggregate``: its dense sum where the codec ends a round with it.
+
+        Raises RequestError(SHARD_MOVED) when a backup answers for the shard already (it took
+        over: this server was counted lost by some worker)."""
+        kind, payloads, sizes, frames = KIND_FAILED, [], [], []
+        if pushes is not None:
+            kind, payload, sizes, frames = self._encode(chunk, pushes, aggregate)
+            payloads = [payload]
+        fields = ReplicateFields(
+            key=chunk.spec.key,
+            chunk=chunk.spec.index,
+            kind=kind,
+            ranks=ranks,
+            sizes=sizes,
+            frames=frames,
+            updates=chunk.rounds - 1,
+        )
+        what = f"round {chunk.rounds} of {chunk.spec.name}"
+        links = self._backups_of(chunk.shard)
+        results = await asyncio.gather(
+            *(link.request(fields, payloads, what) for link in links), return_exceptions=True
+        )
+        for link, result in zip(links, results, strict=True):
+            if isinstance(result, LinkLost):
+                continue  # (dropped by the link's loss)
+            if isinstance(result, RefusedByPeer) and result.code == ErrorCode.SHARD_MOVED:
+                raise RequestError(
+                    ErrorCode.SHARD_MOVED,
+                    f"server {link.peer} answers for {chunk.spec.name} now: {result.message}",
+                )
+            if isinstance(result, BaseException):
+                self._drop(link.peer, f"it refused {what}: {result}")
+
+    def _encode(
+        self, chunk: ChunkState, pushes: list[tuple[int, list[Any]]], aggregate: np.ndarray | None
+    ) -> tuple[int, Any, list[int], list[int]]:
+        """The kind and payload of a round: its sum where that replays exactly and is fewer
+        bytes, else its pushes."""
+        packed, sizes, frames = pack_pushes([payloads for _, payloads in pushes])
+        aggregator = chunk.aggregator
+        summable = (
+            aggregate is not None
+            and not aggregator.state()
+            and not chunk.codec.applies_step_size
+            and (self._state.max_message is None or aggregate.nbytes <= self._state.max_message)
+        )
+        if summable and aggregate is not None and aggregate.nbytes < len(packed):
+            return KIND_SUM, aggregate, [], []
+        return KIND_PUSHES, packed, sizes, frames
+
+    # the backup's side -----------------------------------------------------------------------
+
+    def on_replicate(self, identity: bytes, msg: Message[ReplicateFields], user: str) -> None:
+        """Replay a round a primary forwarded, then answer it (on the loop; the replay runs as
+        the chunk's work)."""
+        if self._state.config.curve is not None and user != auth.SERVER_USER_ID.decode():
+            raise RequestError(
+                ErrorCode.BAD_MESSAGE, "REPLICATE is taken only from the job's servers"
+            )
+        body = msg.body
+        chunk = self._state.job.chunks.get((body.key, body.chunk))
+        config = self._state.config
+        if chunk is None or not chunk.initialized:
+            raise RequestError(
+                ErrorCode.REPLICA,
+                f"key {body.key!r} chunk {body.chunk} is not initialised on server "
+                f"{config.server_rank}",
+            )
+        if chunk.shard in self._state.job.serving:
+            raise RequestError(
+                ErrorCode.SHARD_MOVED,
+                f"server {config.server_rank} took over server {chunk.shard}'s shard",
+            )
+        if chunk.shard not in backed_up_shards(
+            config.server_rank, config.num_servers, config.replicas
+        ):
+            raise RequestError(ErrorCode.REPLICA, f"{chunk.spec.name} is not backed up here")
+        if body.updates != chunk.rounds:  # (counted on arrival: rounds come one at a time)
+            raise RequestError(
+                ErrorCode.REPLICA,
+                f"{chunk.spec.name}: round {body.updates + 1} arrived, this backup had "
+                f"{chunk.rounds} rounds",
+            )
+        pushes = aggregate = None
+        if body.kind == KIND_PUSHES:
+            if len(msg.payloads) != 1:
+                raise RequestError(ErrorCode.BAD_MESSAGE, "a replicated round carries one frame")
+            pushes = unpack_pushes(msg.payloads[0], body.sizes, body.frames)
+        elif body.kind == KIND_SUM:
+            aggregate = np.frombuffer(
+                getattr(msg.payloads[0], "buffer", msg.payloads[0]),
+                dtype=chunk.aggregator.result.dtype,
+            )
+            if aggregate.size != chunk.aggregator.result.size:
+                raise RequestError(ErrorCode.BAD_MESSAGE, "a replicated sum of the wrong size")
+        elif body.kind != KIND_FAILED:
+            raise RequestError(ErrorCode.BAD_MESSAGE, f"unknown replicated round {body.kind}")
+        chunk.rounds += 1
+        for rank in body.ranks:  # (before the replay: a resent push waits for it, not redone)
+            chunk.pushes_seen[rank] += 1
+        assert self.rounds is not None
+        self.rounds.replay_and_answer(chunk, identity, msg.rid, body.ranks, pushes, aggregate)
+
+    def close(self) -> None:
+        """Close the links to other servers."""
+        for link in list(self._links.values()):
+            link.close()
+        self._links.clear()
+
+
+__all__ = ["Replication", "pack_pushes", "unpack_pushes"]
