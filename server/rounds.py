@@ -231,7 +231,7 @@ class Rounds:
             try:
                 await self._work.run(chunk, chunk.aggregator.add, payloads, first)
                 self._keep_for_relay(chunk, payloads)
-                if self.replication.backs_up(chunk):  # (forwarded as summed, in this order)
+                if self.replication.enabled:  # (forwarded as summed, in this order)
                     chunk.round_pushes.append((push.reply.rank, payloads))
             except Exception as exc:
                 self._replies.warn(
