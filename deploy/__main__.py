@@ -3,12 +3,20 @@
 Usage::
 
     kvstore-launch -n N [-s S] [--workers-per-host K] [--launcher local|ssh|slurm]
-        [-H HOSTFILE] -- COMMAND ARGS...
+        [-H HOSTFILE] [--replicas R [--restart-servers [--max-restarts M]]] -- COMMAND ARGS...
 
 ``--launcher slurm`` runs inside a Slurm allocation (an ``sbatch`` script or an ``salloc``
 shell) and starts every process on the allocation's nodes with ``srun``; see
 :class:`~kvstore.deploy.backends.SlurmBackend`. The launcher logs (role ``launch``) in the
 format of every kvstore process, at ``KVSTORE_LOG_LEVEL`` (default INFO).
+
+``--replicas R`` (1 <= R <= S; default ``KVSTORE_REPLICAS``, else 1) gives every server and
+worker ``KVSTORE_REPLICAS=R``: each server's shard is also held by the next R - 1 servers, and
+the job survives the loss of R - 1 of them. With ``--restart-servers`` (R >= 2) a server that
+exits while the workers run is started again, at most ``--max-restarts`` times (default 3) per
+server: the same rank on the same host and port, with ``KVSTORE_SERVERS`` naming every server,
+so that it catches up from a live replica (see :mod:`kvstore.deploy.supervisor`). Without it, a
+server that exits fails the job.
 
 Every job gets fresh CURVE keys (:mod:`kvstore.auth`): its servers admit only its workers, and
 their connections are encrypted. ``--no-auth`` (or ``KVSTORE_AUTH=0``) starts a job without
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -32,7 +41,11 @@ from kvstore.deploy.backends import (
     read_hostfile,
 )
 from kvstore.deploy.supervisor import Supervisor
+from kvstore.envvars import env_value
 from kvstore.errors import ConfigError
+
+DEFAULT_MAX_RESTARTS = 3
+"""``--max-restarts``: how many times one server may be restarted (``--restart-servers``)."""
 
 EPILOG = """\
 launchers:
@@ -46,12 +59,14 @@ launchers:
 environment:
   KVSTORE_LOG_LEVEL   the launcher's and its processes' log level (default here: INFO)
   KVSTORE_AUTH=0      the same as --no-auth
+  KVSTORE_REPLICAS=R  the default of --replicas
   KVSTORE_*           the other KVSTORE_ variables reach servers and workers (but credentials:
                       each job gets keys of its own)
 
 examples:
   kvstore-launch -n 2 -s 2 -- python3 examples/mnist/train.py --epochs 3
   kvstore-launch -n 8 -s 2 --workers-per-host 4 --launcher ssh -H hosts -- python3 train.py
+  kvstore-launch -n 4 -s 3 --replicas 2 --restart-servers -- python3 train.py
 """
 
 
@@ -129,8 +144,59 @@ def build_parser() -> argparse.ArgumentParser:
         "any process that reaches them, unencrypted; for trusted networks only (default: "
         "fresh keys for every job)",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="R",
+        help="servers that hold each shard: its own and the next R-1, so that the job survives "
+        "the loss of R-1 servers; passed to every server and worker as KVSTORE_REPLICAS "
+        "(1 <= R <= S; default: KVSTORE_REPLICAS, else 1)",
+    )
+    parser.add_argument(
+        "--restart-servers",
+        action="store_true",
+        help="start a server that exits while the workers run again, with the same rank, host "
+        "and port, and KVSTORE_SERVERS naming every server, so that it catches up from a live "
+        "replica (needs --replicas >= 2; default: a server that exits fails the job)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="M",
+        help="(--restart-servers) restarts of one server, at most; its next exit fails the job "
+        f"(default: {DEFAULT_MAX_RESTARTS})",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     return parser
+
+
+def check_replication(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, num_servers: int
+) -> tuple[int, int]:
+    """The job's replicas R and restarts per server from ``--replicas``, ``--restart-servers``
+    and ``--max-restarts``; a parser error (exit 2) for R outside 1..S, ``--restart-servers``
+    with R < 2, ``--max-restarts`` below 0 or without ``--restart-servers``."""
+    replicas = args.replicas
+    if replicas is None:
+        try:
+            replicas = env_value(os.environ, "KVSTORE_REPLICAS", 1)
+        except ConfigError as exc:
+            parser.error(str(exc))
+    if not 1 <= replicas <= num_servers:
+        parser.error(f"--replicas must be between 1 and -s {num_servers}, got {replicas}")
+    if args.restart_servers and replicas < 2:
+        parser.error(
+            f"--restart-servers needs --replicas >= 2 (got {replicas}): a restarted server "
+            f"without replicas would come back empty"
+        )
+    if args.max_restarts is not None and not args.restart_servers:
+        parser.error("--max-restarts is for --restart-servers")
+    max_restarts = DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
+    if max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {max_restarts}")
+    return replicas, max_restarts
 
 
 # Not __name__: run as ``python -m kvstore.deploy`` that is "__main__", outside the kvstore tree.
@@ -156,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--workers-per-host must be >= 1 and divide -n {args.num_workers}, got {k}")
     if args.hostfile and args.launcher != "ssh":
         parser.error("-H is for --launcher ssh")
+    replicas, max_restarts = check_replication(parser, args, num_servers)
     backend: Backend
     try:
         auth = not args.no_auth and launcher_auth_from_env()
@@ -192,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_threads=args.server_threads,
             workers_per_host=k,
             auth=auth,
+            replicas=replicas,
+            restart_servers=args.restart_servers,
+            max_restarts=max_restarts,
         )
     except ConfigError as exc:  # (a libzmq without CURVE)
         parser.error(str(exc))

@@ -15,6 +15,18 @@ The sequence:
    stop all the others, and return its exit code (``128 + signal`` for a child killed by a
    signal).
 
+Every server and worker gets ``KVSTORE_REPLICAS`` (``replicas``): each shard is then held by
+its server and the next R - 1, and the job survives the loss of R - 1 servers. With
+``restart_servers``, a server that exits while the workers run (any exit but the launcher's
+stop at the end) is not a failure of the job but is started again (:meth:`Supervisor._restart`):
+the same rank, host, port, arguments and environment through the same backend (a new
+``ssh`` command or ``srun`` step), plus ``KVSTORE_SERVERS``, every server's address, from
+which it catches itself up from a live replica. It must print its READY line within
+``startup_timeout`` at the address it had; otherwise, or once a server has been restarted
+``max_restarts`` times, its exit fails the job as above. (The first servers get
+``KVSTORE_SERVERS`` blank: they start empty, and a value left in the launcher's environment
+must not make them look for replicas.)
+
 A server is stopped through its own shutdown: the launcher asks it on its stdin
 (:meth:`Supervisor.stop_all`). Every child runs in a session of its own, and one that does not
 stop is signalled through its process-group id, which is its pid (SIGTERM, then SIGKILL after a
@@ -44,6 +56,7 @@ from typing import IO
 from kvstore import _logging
 from kvstore.auth import JobKeys, role_env
 from kvstore.deploy.backends import Backend
+from kvstore.errors import ConfigError
 from kvstore.launch_protocol import READY_PREFIX, STOP_REQUEST
 
 logger = logging.getLogger(__name__)
@@ -104,6 +117,12 @@ class Supervisor:
             servers the server's secret key and workers the client's: only this job's workers
             can then talk to its servers, encrypted. False: no keys (trusted networks only);
             either way no child inherits credential variables from the launcher's environment.
+        replicas: R, given to every server and worker as ``KVSTORE_REPLICAS``: the servers
+            that hold each shard (1 <= R <= S; 1: no replication).
+        restart_servers: start a server that exits while the workers run again, at the same
+            address (see the module docstring; needs R >= 2, else it would come back empty).
+        max_restarts: how many times one server rank may be restarted; its next exit fails
+            the job.
         out, err: where to forward output (default: this process's stdout and stderr).
     """
 
@@ -119,9 +138,16 @@ class Supervisor:
         server_threads: int | None = None,
         workers_per_host: int = 1,
         auth: bool = True,
+        replicas: int = 1,
+        restart_servers: bool = False,
+        max_restarts: int = 3,
         out: IO[bytes] | None = None,
         err: IO[bytes] | None = None,
     ) -> None:
+        if not 1 <= replicas <= num_servers:
+            raise ConfigError(f"replicas must be in 1..{num_servers} (the servers), got {replicas}")
+        if restart_servers and replicas < 2:
+            raise ConfigError("restarting servers needs replicas >= 2: one would come back empty")
         self.backend = backend
         self.num_workers = num_workers
         self.num_servers = num_servers
@@ -132,6 +158,13 @@ class Supervisor:
         self.workers_per_host = workers_per_host
         self.keys: JobKeys | None = JobKeys.generate() if auth else None
         """The job's credentials (None: a job without authentication)."""
+        self.replicas = replicas
+        self.restart_servers = restart_servers
+        self.max_restarts = max_restarts
+        self.restarts: dict[int, int] = {}
+        """Server rank -> how many times it was restarted."""
+        self.addresses: list[str] = []
+        """The address workers reach each server at (``KVSTORE_SERVERS``), once all are ready."""
         self._out = out if out is not None else sys.stdout.buffer
         self._err = err if err is not None else sys.stderr.buffer
         self._write_lock = threading.Lock()
@@ -209,7 +242,17 @@ class Supervisor:
         self.children.append(child)
         return child
 
-    def _server_argv(self, rank: int) -> list[str]:
+    def _start_server(self, rank: int, port: int = 0, peers: Sequence[str] = ()) -> Child:
+        """Start server ``rank`` on ``port`` (0: one the system picks) with ``KVSTORE_SERVERS``
+        set to ``peers`` (blank: none; a replacement gets every server's address)."""
+        env = {
+            **role_env("server", self.keys),
+            "KVSTORE_REPLICAS": str(self.replicas),
+            "KVSTORE_SERVERS": ",".join(peers),
+        }
+        return self._start("server", rank, self._server_argv(rank, port), env)
+
+    def _server_argv(self, rank: int, port: int = 0) -> list[str]:
         argv = [
             self.backend.server_python(),
             "-m",
@@ -217,7 +260,7 @@ class Supervisor:
             "--host",
             self.backend.server_host(rank),
             "--port",
-            "0",
+            str(port),
             "--server-rank",
             str(rank),
             "--num-servers",
@@ -331,14 +374,12 @@ class Supervisor:
                 "them, unencrypted; run on a trusted network only",
                 logging.WARNING,
             )
-        servers = [
-            self._start("server", rank, self._server_argv(rank), role_env("server", self.keys))
-            for rank in range(self.num_servers)
-        ]
+        servers = [self._start_server(rank) for rank in range(self.num_servers)]
         status = self._wait_ready(servers)
         if status is not None:
             return status
-        addresses = ",".join(self.backend.server_address(s.rank, s.address or "") for s in servers)
+        self.addresses = [self.backend.server_address(s.rank, s.address or "") for s in servers]
+        addresses = ",".join(self.addresses)
         self.say(f"servers ready: {addresses}", logging.INFO)
         workers = []
         for rank in range(self.num_workers):
@@ -349,6 +390,7 @@ class Supervisor:
                 "KVSTORE_NUM_SERVERS": str(self.num_servers),
                 "KVSTORE_LOCAL_RANK": str(rank % self.workers_per_host),
                 "KVSTORE_LOCAL_SIZE": str(self.workers_per_host),
+                "KVSTORE_REPLICAS": str(self.replicas),
                 "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
                 **role_env("worker", self.keys),
             }
@@ -400,12 +442,58 @@ class Supervisor:
                     return exit_status(code)
             for server in servers:
                 if server.process.poll() is not None:
-                    self.say(
-                        f"{server.label} {server.describe_exit()} while workers were running; "
-                        f"stopping the others"
-                    )
-                    return exit_status(server.process.returncode) or 1
+                    status = self._server_exited(servers, server)
+                    if status is not None:
+                        return status
             if all(w.process.poll() == 0 for w in workers):
                 self.say("all workers finished; stopping the servers", logging.INFO)
                 return 0
             time.sleep(0.05)
+
+    def _server_exited(self, servers: list[Child], server: Child) -> int | None:
+        """``server`` exited while the workers run: restart it where allowed (None once it
+        rejoined), else say so and return the job's exit status (its own, at least 1)."""
+        what = f"{server.label} {server.describe_exit()} while workers were running"
+        done = self.restarts.get(server.rank, 0)
+        if not self.restart_servers or done >= self.max_restarts:
+            limit = f" (restarted {done} time(s), --max-restarts {self.max_restarts})"
+            self.say(f"{what}{limit if self.restart_servers else ''}; stopping the others")
+            return exit_status(server.process.returncode) or 1
+        self.restarts[server.rank] = done + 1
+        where = self.backend.where("server", server.rank)
+        self.say(
+            f"{what}; restarting it{f' {where}' if where else ''} at "
+            f"{self.addresses[server.rank]} (restart {done + 1} of {self.max_restarts})",
+            logging.WARNING,
+        )
+        return self._restart(servers, server.rank)
+
+    def _restart(self, servers: list[Child], rank: int) -> int | None:
+        """Start a replacement of server ``rank`` (which exited), wait until it is ready and put
+        it in its place in ``servers``; None once it rejoined, else the job's exit status.
+
+        The replacement has the same rank and so the same host (backends place by role and
+        rank), the port of the address the server had, the same arguments and environment, and
+        ``KVSTORE_SERVERS`` listing every server's address. It is ready once it prints its
+        READY line, and has rejoined if the address workers reach it at (through
+        :meth:`Backend.server_address`) is the one they had. The restart fails, and so the job,
+        if it cannot start, exits or is not ready within ``startup_timeout``, or comes up at
+        another address.
+        """
+        address = self.addresses[rank]
+        _, _, port = address.rpartition(":")
+        try:
+            replacement = self._start_server(rank, int(port), self.addresses)
+        except (OSError, ValueError) as exc:
+            self.say(f"cannot restart server {rank} at {address}: {exc}; stopping the others")
+            return 1
+        status = self._wait_ready([replacement])
+        if status is not None:
+            return status
+        now = self.backend.server_address(rank, replacement.address or "")
+        if now != address:
+            self.say(f"server {rank} came back at {now}, not at {address}; stopping the others")
+            return 1
+        servers[rank] = replacement
+        self.say(f"server {rank} rejoined at {address}", logging.INFO)
+        return None

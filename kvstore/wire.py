@@ -118,6 +118,7 @@ class Op(IntEnum):
     LOAD = 11
     REPLICATE = 12
     CATCH_UP = 13
+    STATE = 14
     REPLY = 16
     ERROR = 17
 
@@ -426,6 +427,16 @@ class CatchUpFields:
 
 
 @dataclass(slots=True)
+class StateFields:
+    """STATE: one part of a chunk's state, from a replica to a server it catches up (payload:
+    the part's bytes; part ``meta`` is msgpack, ``end`` has none and commits the chunk)."""
+
+    key: int | str = _wire("k", KEY)
+    chunk: int = _wire("c", UINT)
+    part: str = _wire("pt", STR)
+
+
+@dataclass(slots=True)
 class ReplyFields:
     """REPLY: the answer to a request (payloads: a value, when the request asked for one)."""
 
@@ -444,6 +455,9 @@ class ReplyFields:
     """The ``w_pub`` version a compressed pull's reply brings."""
     base_version: int | None = _wire("pb", VERSION, optional=True)
     """The ``w_pub`` version a delta applies to."""
+    incarnation: int | None = _wire("ic", UINT, optional=True)
+    """(To a HELLO, with replication) a number the server process drew at its start: a worker
+    tells a lost server's replacement from the lost process itself, which a stop only paused."""
 
 
 @dataclass(slots=True)
@@ -471,6 +485,7 @@ Fields = (
     | LoadFields
     | ReplicateFields
     | CatchUpFields
+    | StateFields
     | ReplyFields
     | ErrorFields
 )
@@ -490,6 +505,7 @@ FIELDS_OF: dict[Op, type] = {
     Op.LOAD: LoadFields,
     Op.REPLICATE: ReplicateFields,
     Op.CATCH_UP: CatchUpFields,
+    Op.STATE: StateFields,
     Op.REPLY: ReplyFields,
     Op.ERROR: ErrorFields,
 }
@@ -525,6 +541,7 @@ _PAYLOAD_COUNT: dict[Op, tuple[int, ...]] = {
     Op.LOAD: (0,),
     Op.REPLICATE: (0, 1),
     Op.CATCH_UP: (0,),
+    Op.STATE: (0, 1),
     Op.ERROR: (0,),
 }
 

@@ -152,6 +152,7 @@ class ChunkState:
     pushes_seen: Counter[int] = field(default_factory=Counter)
     round_pushes: list[tuple[int, list[Any]]] = field(default_factory=list)
     last_answer: list[bytes] | None = None
+    joined: set[int] = field(default_factory=set)  # servers caught up with this chunk since
 
     @property
     def initialized(self) -> bool:

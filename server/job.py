@@ -12,6 +12,7 @@ Everything here runs on the server's event-loop thread, except where a docstring
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,10 @@ class ServerState:
             self.liveness = Liveness(config.heartbeat_timeout, period)
         self.heard = self.liveness.heard if self.liveness is not None else None
         self.heard_at = 0.0
+        # replication: a number of this process (workers tell a replacement from a process
+        # that was only stopped), and whether it is being caught up (it takes no worker then)
+        self.incarnation = secrets.randbits(63)
+        self.catching_up = False
 
     def reset_job(self) -> None:
         """Forget the job: its keys, optimizer, mode and ranks; serve the next one."""

@@ -141,6 +141,7 @@ class Membership:
             )
         if hello.servers is not None:
             self.learn_peers(hello.servers, rank)
+
         if job.mode is not None and mode != job.mode:
             ranks = sorted({r for r, _ in job.ranks})
             raise RequestError(
@@ -174,6 +175,8 @@ class Membership:
             logger.warning("worker rank %d rejoined the job (%s)", rank, peer(identity))
         logger.debug("worker rank %d connected (%s, %s)", rank, peer(identity), mode)
         answer = ReplyFields(server_rank=cfg.server_rank)
+        if cfg.replicas > 1:
+            answer.incarnation = self._state.incarnation
         if self._state.liveness is not None:  # (the worker pings often enough for it)
             answer.heartbeat_ms = round(cfg.heartbeat_timeout * 1000)
         self._replies.send(identity, wire.reply(msg.rid, answer), Op.HELLO)

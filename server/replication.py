@@ -44,20 +44,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import numpy as np
 import zmq
 
-from kvstore import auth
+from kvstore import auth, wire
+from kvstore.codecs import accumulator_dtype, codec_from_spec
+from kvstore.codecs.pulled import pull_codec_from_spec
 from kvstore.errors import ErrorCode
-from kvstore.server.chunk import ChunkState
+from kvstore.optimizer_spec import make_optimizer_spec
+from kvstore.server.checkpointing import optimizer_entry
+from kvstore.server.chunk import ChunkSpec, ChunkState, named_with
 from kvstore.server.errors import RequestError
 from kvstore.server.job import ServerState
+from kvstore.server.optimizers import make_optimizer
 from kvstore.server.replica_link import LinkLost, RefusedByPeer, ReplicaLink
 from kvstore.server.replies import Replies
 from kvstore.topology import backed_up_shards, replica_servers
-from kvstore.wire import Message, ReplicateFields
+from kvstore.wire import CatchUpFields, Message, Op, ReplicateFields, StateFields
 
 if TYPE_CHECKING:
     from kvstore.server.rounds import Rounds
@@ -125,14 +132,29 @@ class Replication:
         self.rounds: Rounds | None = None
         self._links: dict[int, ReplicaLink] = {}
         self._dropped: dict[int, str] = {}  # backups no longer forwarded to, and why
+        self._joining: set[int] = set()  # servers being caught up (backups once they are)
         self._backups: dict[int, tuple[ReplicaLink, ...]] = {}  # per shard served
+        self._staged: dict[tuple[Any, int], dict[str, Any]] = {}  # chunks arriving (a joiner)
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # which chunks forward ------------------------------------------------------------------------
 
     def backs_up(self, chunk: ChunkState) -> bool:
         """Whether rounds of ``chunk`` go to backups (its shard is served here and has a live
         backup)."""
-        return self.enabled and bool(self._backups_of(chunk.shard))
+        return self.enabled and bool(self._backups_of(chunk.shard) or chunk.joined)
+
+    def _forward_links(self, chunk: ChunkState) -> list[ReplicaLink]:
+        """The links a round of ``chunk`` goes to: its shard's live backups after this server,
+        and the servers caught up with it since they joined."""
+        links = list(self._backups_of(chunk.shard))
+        peers = {link.peer for link in links}
+        links += [
+            self._link(peer)
+            for peer in sorted(chunk.joined)
+            if peer not in peers and peer not in self._dropped
+        ]
+        return links
 
     def _backups_of(self, shard: int) -> tuple[ReplicaLink, ...]:
         links = self._backups.get(shard)
@@ -147,7 +169,11 @@ class Replication:
             return ()
         replicas = replica_servers(shard, config.num_servers, config.replicas)
         after = replicas[replicas.index(config.server_rank) + 1 :]
-        return tuple(self._link(peer) for peer in after if peer not in self._dropped)
+        return tuple(
+            self._link(peer)
+            for peer in after
+            if peer not in self._dropped and peer not in self._joining
+        )
 
     def _link(self, peer: int) -> ReplicaLink:
         link = self._links.get(peer)
@@ -244,7 +270,7 @@ class Replication:
             updates=chunk.rounds - 1,
         )
         what = f"round {chunk.rounds} of {chunk.spec.name}"
-        links = self._backups_of(chunk.shard)
+        links = self._forward_links(chunk)
         results = await asyncio.gather(
             *(link.request(fields, payloads, what) for link in links), return_exceptions=True
         )
@@ -281,10 +307,7 @@ class Replication:
     def on_replicate(self, identity: bytes, msg: Message[ReplicateFields], user: str) -> None:
         """Replay a round a primary forwarded, then answer it (on the loop; the replay runs as
         the chunk's work)."""
-        if self._state.config.curve is not None and user != auth.SERVER_USER_ID.decode():
-            raise RequestError(
-                ErrorCode.BAD_MESSAGE, "REPLICATE is taken only from the job's servers"
-            )
+        self._check_server(user, "REPLICATE")
         body = msg.body
         chunk = self._state.job.chunks.get((body.key, body.chunk))
         config = self._state.config
@@ -299,10 +322,6 @@ class Replication:
                 ErrorCode.SHARD_MOVED,
                 f"server {config.server_rank} took over server {chunk.shard}'s shard",
             )
-        if chunk.shard not in backed_up_shards(
-            config.server_rank, config.num_servers, config.replicas
-        ):
-            raise RequestError(ErrorCode.REPLICA, f"{chunk.spec.name} is not backed up here")
         if body.updates != chunk.rounds:  # (counted on arrival: rounds come one at a time)
             raise RequestError(
                 ErrorCode.REPLICA,
@@ -329,6 +348,194 @@ class Replication:
         assert self.rounds is not None
         self.rounds.replay_and_answer(chunk, identity, msg.rid, body.ranks, pushes, aggregate)
 
+    def _check_server(self, user: str, what: str) -> None:
+        """Refuse ``what`` unless it came from another server of the job (with CURVE keys:
+        authenticated with the job's server key pair), or replication is off."""
+        if not self.enabled:
+            raise RequestError(ErrorCode.BAD_MESSAGE, f"{what}: this job has no replicas")
+        if self._state.config.curve is not None and user != auth.SERVER_USER_ID.decode():
+            raise RequestError(
+                ErrorCode.BAD_MESSAGE, f"{what} is taken only from the job's servers"
+            )
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # catching a joining server up (the replica that answers for the shard) -------------------
+
+    def on_catch_up(self, identity: bytes, msg: Message[CatchUpFields], user: str) -> None:
+        """A server that joins the job asks for ``shard``'s state: send it every chunk's state
+        over a link to it, then forward the chunk's rounds to it too; answer once all went."""
+        self._check_server(user, "CATCH_UP")
+        config, shard = self._state.config, msg.body.shard
+        if shard not in self._state.job.serving or not self._state.job.chunks:
+            raise RequestError(
+                ErrorCode.REPLICA,
+                f"server {config.server_rank} does not answer for server {shard}'s shard",
+            )
+        peers = self.peers or ()
+        if msg.body.address not in peers:
+            raise RequestError(
+                ErrorCode.REPLICA, f"{msg.body.address!r} is not one of the job's servers"
+            )
+        peer = peers.index(msg.body.address)
+        if peer not in replica_servers(shard, config.num_servers, config.replicas):
+            raise RequestError(
+                ErrorCode.REPLICA, f"server {peer} holds no replica of server {shard}'s shard"
+            )
+        self._spawn(self._catch_up(shard, peer, identity, msg.rid))
+
+    async def _catch_up(self, shard: int, peer: int, identity: bytes, rid: int) -> None:
+        job = self._state.job
+        self._joining.add(peer)
+        self._dropped.pop(peer, None)
+        stale = self._links.pop(peer, None)  # (to the process it replaces)
+        if stale is not None:
+            stale.close()
+        self._backups.clear()
+        link = self._link(peer)
+        chunks = [c for c in job.chunks.values() if c.shard == shard and c.initialized]
+        try:
+            for chunk in chunks:
+                async with chunk.lock:  # between rounds: what the next round starts from
+                    for part, payload in _state_parts(chunk, job):
+                        fields = StateFields(key=chunk.spec.key, chunk=chunk.spec.index, part=part)
+                        what = f"the state of {chunk.spec.name}"
+                        await link.request(fields, [] if payload is None else [payload], what)
+                    chunk.joined.add(peer)
+        except (LinkLost, RefusedByPeer) as exc:
+            self._replies.error(
+                identity, rid, Op.CATCH_UP, ErrorCode.REPLICA, f"catching up failed: {exc}"
+            )
+            return
+        finally:
+            self._joining.discard(peer)
+            self._backups.clear()
+        logger.warning(
+            "server %d caught server %d up with server %d's shard (%d chunks); it is a replica "
+            "again",
+            self._state.config.server_rank,
+            peer,
+            shard,
+            len(chunks),
+        )
+        self._replies.send(identity, wire.reply(rid), Op.CATCH_UP)
+
+    # being caught up (a server that joins a running job) -------------------------------------
+
+    async def rejoin(self, address: str) -> list[int]:
+        """Catch this server up from the live replicas of the shards it holds, if the job runs
+        (a server started with the job's addresses, ``KVSTORE_SERVERS``, to replace a lost
+        one). Returns the shards it got; none: the job starts fresh.
+
+        Its own shard stays answered by the replica that took it over: this server is its
+        backup from now on."""
+        config = self._state.config
+        own = config.server_rank
+        got = []
+        timeout = min(config.heartbeat_timeout or REJOIN_TIMEOUT, REJOIN_TIMEOUT)
+        for shard in (own, *backed_up_shards(own, config.num_servers, config.replicas)):
+            for candidate in replica_servers(shard, config.num_servers, config.replicas):
+                if candidate == own or self.peers is None:
+                    continue
+                probe = ReplicaLink(
+                    self._context,
+                    self.peers[candidate],
+                    candidate,
+                    config.curve,
+                    timeout,
+                    lambda link, why: None,
+                )
+                try:
+                    await probe.request(
+                        CatchUpFields(shard=shard, address=address), [], "a catch-up"
+                    )
+                except (LinkLost, RefusedByPeer) as exc:
+                    logger.info("server %d: no catch-up from %d: %s", own, candidate, exc)
+                    continue
+                finally:
+                    probe.close()
+                got.append(shard)
+                if shard == own:
+                    self._state.job.serving.discard(own)
+                break
+        if got:
+            logger.warning(
+                "server %d rejoined the job: caught up with the shards of server(s) %s",
+                own,
+                got,
+            )
+        return got
+
+    def on_state(self, identity: bytes, msg: Message[StateFields], user: str) -> None:
+        """One part of a chunk's state from the replica that catches this server up."""
+        self._check_server(user, "STATE")
+        body = msg.body
+        where = (body.key, body.chunk)
+        staged = self._staged.setdefault(where, {})
+        if body.part == "meta":
+            staged.clear()
+            staged["meta"] = msgpack.unpackb(_bytes(msg.payloads), strict_map_key=False)
+        elif body.part == "end":
+            self._staged.pop(where, None)
+            self._install(staged)
+        else:
+            meta = staged.get("meta")
+            if meta is None or body.part not in meta["arrays"]:
+                raise RequestError(ErrorCode.REPLICA, f"an unexpected state part {body.part!r}")
+            dtype, shape = meta["arrays"][body.part]
+            array = np.frombuffer(_bytes(msg.payloads), dtype=dtype).reshape(shape)
+            staged[body.part] = array.copy()  # (writable: optimizer state is updated in place)
+        self._replies.send(identity, wire.reply(msg.rid), Op.STATE)
+
+    def _install(self, staged: dict[str, Any]) -> None:
+        """Make a chunk of the staged state (the replica's, as it was between two rounds)."""
+        meta = staged.pop("meta")
+        job = self._state.job
+        described = meta["job"]
+        job.mode = job.mode or described["mode"]
+        job.workers_per_push = job.workers_per_push or described["workers_per_push"]
+        if job.optimizer is None and described["optimizer"] is not None:
+            saved = described["optimizer"]
+            job.optimizer = make_optimizer(make_optimizer_spec(saved["name"], saved["params"]))
+        spec = ChunkSpec(
+            key=meta["key"],
+            index=meta["chunk"],
+            start=meta["start"],
+            numel=meta["numel"],
+            dtype=meta["dtype"],
+            shape=tuple(meta["shape"]),
+            codec=tuple(sorted(meta["codec"].items())),
+            pull=tuple(sorted(meta["pull"].items())),
+            averaged=meta["averaged"],
+        )
+        chunk = ChunkState(spec=spec, codec=codec_from_spec(meta["codec"]), shard=meta["shard"])
+        chunk.pull_codec = pull_codec_from_spec(meta["pull"]) if meta["pull"] else None
+        chunk.set_initial_value(staged["value"], job.mode)
+        saved = meta["checkpoint"]
+        state = None
+        if saved["optimizer"] is not None and job.optimizer is not None:
+            state = job.optimizer.import_state(
+                named_with(staged, "opt."),
+                dict(saved["scalars"]),
+                spec.numel,
+                accumulator_dtype(spec.dtype),
+                spec.name,
+            )
+        assert chunk.value is not None
+        out = chunk.value.spare()
+        chunk.restore(staged, state, saved, out)
+        chunk.value.publish(out)
+        chunk.declared = dict.fromkeys(meta["declared"], spec)
+        chunk.rounds = meta["rounds"]
+        chunk.applied = Counter(dict(meta["applied"]))
+        chunk.pushes_seen = Counter(dict(meta["pushes_seen"]))
+        answers = sorted(n for n in staged if n.startswith("answer."))
+        chunk.last_answer = [staged[n].tobytes() for n in answers] if meta["answered"] else None
+        job.chunks[(spec.key, spec.index)] = chunk
+
     def close(self) -> None:
         """Close the links to other servers."""
         for link in list(self._links.values()):
@@ -336,4 +543,57 @@ class Replication:
         self._links.clear()
 
 
-__all__ = ["Replication", "pack_pushes", "unpack_pushes"]
+REJOIN_TIMEOUT = 10.0
+"""Seconds a server that starts with the job's addresses waits for each other replica's answer
+to its catch-up request (one that does not answer in time is taken as not running)."""
+
+
+def _bytes(payloads: list[Any]) -> bytes:
+    if len(payloads) != 1:
+        raise RequestError(ErrorCode.BAD_MESSAGE, "a state part carries one frame")
+    return bytes(memoryview(getattr(payloads[0], "buffer", payloads[0])))
+
+
+def _state_parts(chunk: ChunkState, job: Any) -> list[tuple[str, Any]]:
+    """A chunk's state as STATE parts (name, payload): ``meta`` (msgpack: its spec, counters,
+    the job's mode and optimizer, the arrays' dtypes and shapes), every array of its
+    checkpoint state, the frames of its last answer, and ``end``."""
+    arrays, saved = chunk.checkpoint_state()
+    answer = chunk.last_answer
+    arrays = dict(arrays)
+    for i, frame in enumerate(answer or []):
+        arrays[f"answer.{i}"] = np.frombuffer(frame, dtype=np.uint8)
+    spec = chunk.spec
+    meta = {
+        "key": spec.key,
+        "chunk": spec.index,
+        "start": spec.start,
+        "numel": spec.numel,
+        "dtype": spec.dtype,
+        "shape": list(spec.shape),
+        "codec": dict(spec.codec),
+        "pull": dict(spec.pull),
+        "averaged": spec.averaged,
+        "shard": chunk.shard,
+        "declared": sorted(chunk.declared),
+        "rounds": chunk.rounds,
+        "applied": sorted(chunk.applied.items()),
+        # (not pushes_seen: that counts the pushes of the round being summed too, which the
+        # joiner gets with the round)
+        "pushes_seen": sorted(chunk.applied.items()),
+        "answered": answer is not None,
+        "checkpoint": saved,
+        "job": {
+            "mode": job.mode,
+            "workers_per_push": job.workers_per_push,
+            "optimizer": optimizer_entry(job.optimizer),
+        },
+        "arrays": {name: [a.dtype.str, list(a.shape)] for name, a in arrays.items()},
+    }
+    parts: list[tuple[str, Any]] = [("meta", msgpack.packb(meta, use_bin_type=True))]
+    parts += [(name, np.ascontiguousarray(a)) for name, a in arrays.items()]
+    parts.append(("end", None))
+    return parts
+
+
+__all__ = ["REJOIN_TIMEOUT", "Replication", "pack_pushes", "unpack_pushes"]

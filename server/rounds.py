@@ -274,14 +274,14 @@ class Rounds:
                 error = exc
         chunk.rounds += 1
         chunk.last_answer = intermediate if intermediate is not None else acknowledgement
-        if self.replication.backs_up(chunk):  # the backups have the round before anyone sees it
-            ranks = [reply.rank for reply in replies]
-            try:
+        try:
+            if self.replication.backs_up(chunk):  # the backups have it before anyone sees it
+                ranks = [reply.rank for reply in replies]
                 await self.replication.forward(
                     chunk, ranks, None if error is not None else pushes, aggregate
                 )
-            except RequestError as exc:  # another replica answers for the shard now
-                error = error or exc
+        except Exception as exc:  # (SHARD_MOVED: another replica answers for the shard now)
+            error = error or exc
         if error is None and intermediate is not None:
             for reply in replies:
                 if self._push_applied(chunk, reply):
@@ -320,16 +320,16 @@ class Rounds:
             except Exception as exc:
                 error = exc
             chunk.rounds += 1
-            if self.replication.backs_up(chunk):
-                try:
+            try:
+                if self.replication.backs_up(chunk):
                     await self.replication.forward(
                         chunk,
                         [reply.rank],
                         None if error is not None else [(reply.rank, payloads)],
                         aggregate if error is None else None,
                     )
-                except RequestError as exc:
-                    error = error or exc
+            except Exception as exc:
+                error = error or exc
             self._pushes_done(chunk, [reply], error)
 
     def _finisher(self, chunk: ChunkState) -> Any:

@@ -169,6 +169,13 @@ class ShardServer:
             Op.LOAD: self._collectives.on_checkpoint,
             Op.PING: self._membership.on_ping,
         }
+        self._server_handlers: dict[Op, Callable[[bytes, Message, str], None]] = {
+            Op.REPLICATE: self._replication.on_replicate,
+            Op.CATCH_UP: self._replication.on_catch_up,
+            Op.STATE: self._replication.on_state,
+        }
+        self._held_hellos: list[tuple[bytes, list[Any]]] = []
+        self._rejoining: asyncio.Task[None] | None = None
 
     # lifecycle -------------------------------------------------------------------------------
 
@@ -258,6 +265,10 @@ class ShardServer:
         self._loop.add_reader(fd, self._drain)
         self._schedule_drain()  # messages may have arrived before the reader was added
         self._membership.start(self._loop)
+        if cfg.replicas > 1 and cfg.peers is not None:
+            # Started with the job's addresses: it may replace a lost server of a running job.
+            self._state.catching_up = True
+            self._rejoining = self._loop.create_task(self._rejoin())
         logger.info(
             "server %d/%d serving %d worker(s) on %s%s with %d thread(s)",
             cfg.server_rank,
@@ -282,9 +293,25 @@ class ShardServer:
             )
         return self.address
 
+    async def _rejoin(self) -> None:
+        """Be caught up from the live replicas of this server's shards, if its job runs, then
+        answer the workers that said hello meanwhile."""
+        assert self.address is not None
+        try:
+            await self._replication.rejoin(self.address)
+        except Exception:
+            logger.exception("server %d could not be caught up", self.config.server_rank)
+        finally:
+            self._state.catching_up = False
+        held, self._held_hellos = self._held_hellos, []
+        for identity, frames in held:
+            self._handle(identity, frames)
+
     async def stop(self) -> None:
         """Stop serving, close the socket and the thread pool."""
         self._membership.stop()
+        if self._rejoining is not None:
+            self._rejoining.cancel()
         self._replication.close()
         if self._fd is not None and self._loop is not None:
             self._loop.remove_reader(self._fd)
@@ -407,10 +434,13 @@ class ShardServer:
             self._state.metrics.received(msg.op, frames_nbytes(frames))
         try:
             if msg.op is Op.HELLO:
+                if self._state.catching_up:  # answered once this server has its state
+                    self._held_hellos.append((identity, frames))
+                    return
                 self._membership.on_hello(identity, msg)
                 return
-            if msg.op is Op.REPLICATE:  # from another server: no worker session
-                self._replication.on_replicate(identity, msg, _user_id(frames[0]))
+            if msg.op in self._server_handlers:  # from another server: no worker session
+                self._server_handlers[msg.op](identity, msg, _user_id(frames[0]))
                 return
             handler = self._handlers.get(msg.op)
             if handler is None:

@@ -130,14 +130,15 @@ def start_servers(
             )
             servers.append(ServerProcess(process, "", rank))
         for server in servers:
-            server.address = _read_ready(server.process, timeout)
+            server.address = read_ready(server.process, timeout)
     except BaseException:
         stop_processes([s.process for s in servers])
         raise
     return servers
 
 
-def _read_ready(process: subprocess.Popen, timeout: float) -> str:
+def read_ready(process: subprocess.Popen, timeout: float) -> str:
+    """The address of a server process's READY line (within ``timeout`` seconds)."""
     result: list[str] = []
 
     def read() -> None:
@@ -303,4 +304,143 @@ def launch(*args: str, env: dict[str, str], cwd: Any = None) -> subprocess.Compl
         timeout=120,
         env=env,
         cwd=cwd,
+    )
+
+
+# a launcher's servers, seen from outside ------------------------------------------------------
+
+
+@dataclass
+class ProcessView:
+    """A process as ``/proc`` shows it: its pid, argv and environment."""
+
+    pid: int
+    argv: list[str]
+    env: dict[str, str]
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (its children, theirs, ...), from the parent pids in
+    ``/proc/*/stat``; zombies left out."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if state != "Z":
+            parents[int(entry.name)] = int(ppid)
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [c for c, p in parents.items() if p == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def launched_server(launcher_pid: int, rank: int) -> ProcessView | None:
+    """The ``python -m kvstore.server --server-rank RANK`` process below ``launcher_pid``
+    (itself, or under the ``ssh`` or ``srun`` that started it); None if there is none."""
+    for pid in descendants(launcher_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+            if argv[1:3] != ["-m", "kvstore.server"] or "--server-rank" not in argv:
+                continue
+            if argv[argv.index("--server-rank") + 1] != str(rank):
+                continue
+            environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")[:-1]
+        except (OSError, IndexError):
+            continue
+        return ProcessView(pid, argv, dict(v.split("=", 1) for v in environ if "=" in v))
+    return None
+
+
+@dataclass
+class ServerRestart:
+    """What :func:`kill_a_launched_server` saw: the launcher's exit code and output, the
+    workers' ``KVSTORE_SERVERS``, and the server before it was killed and after it rejoined."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    servers: list[str]
+    before: ProcessView
+    after: ProcessView
+
+
+RESTART_WORKER = (
+    "import os, pathlib, sys, time\n"
+    "print('replicas', os.environ['KVSTORE_REPLICAS'], 'servers', os.environ['KVSTORE_SERVERS'],"
+    " flush=True)\n"
+    "release, deadline = pathlib.Path(sys.argv[1]), time.monotonic() + 300\n"
+    "while not release.exists():\n"
+    "    if time.monotonic() > deadline:\n"
+    "        sys.exit('never released')\n"
+    "    time.sleep(0.05)\n"
+)
+"""A worker that prints its ``KVSTORE_REPLICAS`` and ``KVSTORE_SERVERS``, then waits until
+the file ``argv[1]`` exists and exits 0."""
+
+
+def kill_a_launched_server(
+    args: Sequence[str], folder: Path, *, rank: int = 1, env: dict[str, str] | None = None
+) -> ServerRestart:
+    """Run ``kvstore-launch ARGS -- PYTHON -c RESTART_WORKER RELEASE`` (cwd ``folder``), and
+    once worker 0 printed, SIGKILL server ``rank`` (its python process, by pid); wait until the
+    launcher says it rejoined and its address accepts TCP connections, then let the workers
+    finish. Every wait has a hang guard (``AssertionError`` with the launcher's output); the
+    launcher is stopped by its pid (SIGTERM, which stops its children, then SIGKILL) if it is
+    still running at the end."""
+    import socket
+
+    release, out, err = folder / "release", folder / "launch.out", folder / "launch.err"
+    command = [sys.executable, "-c", RESTART_WORKER, str(release)]
+    env = {**(env if env is not None else os.environ), "KVSTORE_LOG_LEVEL": "INFO"}
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.deploy", *args, "--", *command],
+            stdout=stdout,
+            stderr=stderr,
+            env=env,
+            cwd=folder,
+        )
+
+    def wait_for(what: str, seen: Callable[[], Any]) -> Any:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and launcher.poll() is None:
+            found = seen()
+            if found:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"{what}: not seen\n{out.read_text()}\n{err.read_text()}")
+
+    def worker_line() -> str | None:
+        lines = out.read_text().splitlines()
+        return next((x for x in lines if x.startswith("[worker 0] replicas ")), None)
+
+    try:
+        servers = wait_for("worker 0's line", worker_line).split()[-1].split(",")
+        before = wait_for(f"server {rank}", lambda: launched_server(launcher.pid, rank))
+        os.kill(before.pid, signal.SIGKILL)
+        wait_for("the rejoin", lambda: f"server {rank} rejoined at" in err.read_text())
+
+        def replacement() -> ProcessView | None:
+            server = launched_server(launcher.pid, rank)
+            return server if server is not None and server.pid != before.pid else None
+
+        after = wait_for("the new server", replacement)
+        host, _, port = servers[rank].removeprefix("tcp://").rpartition(":")
+        socket.create_connection((host.strip("[]"), int(port)), timeout=30).close()
+        release.touch()
+        launcher.wait(120)
+    finally:
+        release.touch()
+        if launcher.poll() is None:
+            stop_processes([launcher], grace=30.0)
+    return ServerRestart(
+        launcher.returncode, out.read_text(), err.read_text(), servers, before, after
     )

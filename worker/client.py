@@ -442,14 +442,18 @@ class KVStore:
                     if state.held is not None and pull_codec is not None:
                         ask_for_compressed_pulls(init, pull_codec)
                     payloads = [source[chunk.start : chunk.stop]] if source is not None else []
-                    # every replica of the chunk's shard starts from the same value
-                    for server in replica_servers(chunk.server, self.num_servers, replicas):
+                    if replicas > 1:  # every live replica of its shard starts from it
+                        init.shard = chunk.server
+                    transport = self._shared.transport
+                    # (a lost replica's replacement is caught up with it; with none live, the
+                    # primary's INIT fails, naming it)
+                    replicas_of = replica_servers(chunk.server, self.num_servers, replicas)
+                    live = [s for s in replicas_of if not transport.is_lost(s)]
+                    for server in live or [chunk.server]:
                         requests.append(
-                            self._shared.transport.submit(
+                            transport.submit(
                                 server,
-                                init
-                                if server == chunk.server
-                                else dataclasses.replace(init, shard=chunk.server),
+                                init,
                                 payloads,
                                 what=f"init of key {state.key!r} chunk {chunk.index}",
                             )

@@ -35,23 +35,28 @@ def handshake(store: StoreState, servers: Sequence[str]) -> None:
     transport = store.transport
     timeout = store.options.connect_timeout
     replicas = store.options.replicas
+
+    def hello(server: int, lane: int) -> HelloFields:
+        return HelloFields(
+            rank=store.rank,
+            num_workers=store.num_workers,
+            num_servers=store.num_servers,
+            server_rank=server,
+            mode=store.mode,
+            lane=lane,
+            # the server refuses us here if our chunks could exceed its message limit
+            partition_bytes=store.options.partition_bytes,
+            pushers_per_host=store.workers_per_push if store.workers_per_push > 1 else None,
+            # with replication: where each server's backups are
+            replicas=replicas if replicas > 1 else None,
+            servers=list(servers) if replicas > 1 else None,
+        )
+
+    transport.hello = hello  # (a lost server's replacement is greeted with it)
     requests = [
         transport.submit(
             server,
-            HelloFields(
-                rank=store.rank,
-                num_workers=store.num_workers,
-                num_servers=store.num_servers,
-                server_rank=server,
-                mode=store.mode,
-                lane=lane,
-                # the server refuses us here if our chunks could exceed its message limit
-                partition_bytes=store.options.partition_bytes,
-                pushers_per_host=store.workers_per_push if store.workers_per_push > 1 else None,
-                # with replication: where each server's backups are
-                replicas=replicas if replicas > 1 else None,
-                servers=list(servers) if replicas > 1 else None,
-            ),
+            hello(server, lane),
             what=f"handshake with server {server} ({address})",
             lane=lane,
         )

@@ -104,6 +104,10 @@ _ANSWERED_BY_REPLICAS = frozenset({Op.SET_OPTIMIZER, Op.BYE, Op.PING})
 """Requests every server gets for itself: a lost one's are done once its shards went on with
 their replicas, which had their own."""
 
+PROBE_SECONDS = 1.0
+"""With replication, how often a worker greets the address of each server it lost, to find
+its replacement."""
+
 IDLE_WAIT_MS = 1000
 """How long the I/O thread sleeps when nothing is due; input and submits wake it at once."""
 
@@ -161,8 +165,13 @@ class Transport:
         self.servers = tuple(servers)
         self._replicas = replicas
         # With replication: which server answers for each shard (its primary, until a
-        # failover moves it to the next live replica).
+        # failover moves it to the next live replica); the HELLO of each lane, by which a lost
+        # server's replacement is greeted (set by the handshake); the greetings in flight.
         self._route: dict[int, int] = {}
+        self.hello: Callable[[int, int], wire.HelloFields] | None = None
+        self._greetings: dict[int, list[Request]] = {}
+        self._incarnations: dict[int, int] = {}
+        self._next_probe = 0.0
         self._metrics = metrics
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
@@ -352,6 +361,8 @@ class Transport:
                 wait_ms = self._flush()
                 if heartbeats.every is not None:
                     wait_ms = min(wait_ms, heartbeats.beat())
+                if self._replicas > 1 and self._lost:
+                    wait_ms = min(wait_ms, self._greet_replacements())
                 with self._lock:
                     if self._closing:
                         return
@@ -517,6 +528,9 @@ class Transport:
                 self._fail_server(request.server, error)
         elif msg.op is Op.REPLY:
             if request.op is Op.HELLO:
+                if not self._first_greeting(request, msg):
+                    request._complete(None, KVStoreError("the lost process itself answered"))
+                    return
                 self._heartbeats.on_hello_reply(request.server, msg)
             request._complete(msg, None)
         else:
@@ -599,6 +613,84 @@ class Transport:
             if target is not None:
                 self._route[shard] = moved[shard] = target
         return moved
+
+    def _greet_replacements(self) -> int:
+        """With replication: greet each lost server's address again every
+        :data:`PROBE_SECONDS` (I/O thread); a replacement that answers both lanes' HELLO (it
+        does once it caught up from a live replica) is a live replica again, one a later
+        failover may go on with. Returns the milliseconds until the next greeting is due."""
+        now = time.monotonic()
+        if now < self._next_probe:
+            return int((self._next_probe - now) * 1000) + 1
+        self._next_probe = now + PROBE_SECONDS
+        if self.hello is None:
+            return int(PROBE_SECONDS * 1000)
+        for server in list(self._lost):
+            if server in self._greetings or server in self._connections.refused:
+                continue
+            greetings = []
+            for lane in (LANE_DATA, LANE_CONTROL):
+                rid = next(self._ids)
+                frames = wire.request(rid, self.hello(server, lane))
+                request = Request(rid, server, Op.HELLO, f"greeting server {server}", 0)
+                with self._lock:
+                    self._pending[rid] = request
+                try:
+                    self._lanes[server][lane].sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    with self._lock:
+                        self._pending.pop(rid, None)
+                    break
+                greetings.append(request)
+            else:
+                self._greetings[server] = greetings
+                for request in greetings:
+                    request.add_done_callback(lambda _, s=server: self._greeted(s))
+                continue
+            for request in greetings:
+                self._fail(request, KVStoreError("not sent"))
+        return int(PROBE_SECONDS * 1000)
+
+    def _first_greeting(self, request: Request, msg: Message) -> bool:
+        """Record the server process a HELLO reached (its ``incarnation``, with replication);
+        False where a lost server's address answered with the lost process itself (it was
+        stopped, not replaced: its state is stale)."""
+        drawn = msg.body.incarnation
+        if drawn is None:
+            return True
+        if request.server in self._lost:  # a greeting: the lost process, or a replacement
+            return drawn != self._incarnations.get(request.server)
+        self._incarnations[request.server] = drawn
+        return True
+
+    def _greeted(self, server: int) -> None:
+        """A greeting of a lost server completed: once both lanes' did, it is live again if
+        both were taken (I/O thread), else it is greeted again later."""
+        greetings = self._greetings.get(server, [])
+        # (a request's callback runs before it counts as done: _completing says it is in)
+        if not all(request._completing for request in greetings):
+            return
+        del self._greetings[server]
+        if any(request._error is not None for request in greetings):
+            return
+        reply = greetings[0]._reply
+        assert reply is not None
+        self._incarnations[server] = reply.body.incarnation
+        with self._lock:
+            self._lost.pop(server, None)
+        if self._heartbeats.heard is not None:
+            self._heartbeats.heard[server] = time.monotonic()
+        self._heartbeats.on_hello_reply(server, reply)  # (pinged from now on)
+        logger.warning(
+            "server %d (%s) is back: its replacement caught up from a live replica",
+            server,
+            self.servers[server],
+        )
+
+    def is_lost(self, server: int) -> bool:
+        """Whether ``server`` was lost (and not replaced since)."""
+        with self._lock:
+            return server in self._lost
 
     def live_route(self, shard: int) -> int:
         """The server that answers for ``shard`` now (its primary unless it was lost)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import signal
 import subprocess
@@ -12,9 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+from kvtest import kill_a_launched_server
 
+from kvstore.auth import AUTH_VARS
 from kvstore.deploy import LocalBackend, SSHBackend, Supervisor
-from kvstore.deploy.backends import read_hostfile
+from kvstore.deploy.backends import ChildCommand, read_hostfile
 
 pytestmark = pytest.mark.integration
 
@@ -138,6 +141,8 @@ def test_usage_errors():
     assert result.returncode == 2 and "give the worker command" in result.stderr
     result = launch("-n", "1", "--launcher", "ssh", "--", "true")
     assert result.returncode == 2 and "needs -H" in result.stderr
+    result = launch("-n", "1", "-s", "1", "--replicas", "2", "--", "true")
+    assert result.returncode == 2 and "--replicas must be between 1 and -s 1" in result.stderr
 
 
 def test_hostfile_and_ssh_placement(tmp_path):
@@ -275,3 +280,173 @@ def test_ssh_names_a_missing_interpreter_and_one_without_kvstore(tmp_path):
     result = _launch_on_one_ssh_host(tmp_path, system)
     assert result.returncode != 0
     assert f"{system} on host 127.0.0.1 cannot import kvstore" in result.stderr, result.stderr
+
+
+# server restarts (--replicas R --restart-servers) ------------------------------------------------
+
+
+def _same_but_the_port(before: list[str], port: str) -> list[str]:
+    argv = list(before)
+    assert argv[argv.index("--port") + 1] == "0"  # the first one took what the system gave
+    argv[argv.index("--port") + 1] = port
+    return argv
+
+
+def test_a_killed_server_is_restarted_at_its_address(tmp_path):
+    restart = kill_a_launched_server(
+        ["-n", "1", "-s", "2", "--replicas", "2", "--restart-servers"], tmp_path
+    )
+    assert restart.returncode == 0, restart.stderr
+    servers = ",".join(restart.servers)
+    assert f"[worker 0] replicas 2 servers {servers}" in restart.stdout
+    before, after = restart.before, restart.after
+    port = restart.servers[1].rsplit(":", 1)[1]
+    assert after.argv == _same_but_the_port(before.argv, port)
+    assert before.env["KVSTORE_REPLICAS"] == after.env["KVSTORE_REPLICAS"] == "2"
+    # the first servers start empty; the replacement knows every server, to catch up from
+    assert before.env["KVSTORE_SERVERS"] == "" and after.env["KVSTORE_SERVERS"] == servers
+    assert all(before.env[v] == after.env[v] for v in AUTH_VARS)  # the job's keys
+    assert (
+        f"server 1 was killed by SIGKILL while workers were running; restarting it at "
+        f"{restart.servers[1]} (restart 1 of 3)" in restart.stderr
+    )
+    assert f"server 1 rejoined at {restart.servers[1]}" in restart.stderr
+
+
+def test_ssh_restarts_a_server_through_ssh(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\n")
+    restart = kill_a_launched_server(
+        [
+            "-n", "1", "-s", "2", "--replicas", "2", "--restart-servers", "--launcher", "ssh",
+            "-H", str(hostfile), "--ssh-command", str(_stand_in_ssh(tmp_path)),
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert restart.returncode == 0, restart.stderr
+    # the stand-in ssh starts from an empty environment: all of this came over ssh
+    servers = ",".join(restart.servers)
+    assert f"[worker 0] replicas 2 servers {servers}" in restart.stdout
+    before, after = restart.before, restart.after
+    assert after.argv == _same_but_the_port(before.argv, restart.servers[1].rsplit(":", 1)[1])
+    assert after.env["KVSTORE_REPLICAS"] == "2" and after.env["KVSTORE_SERVERS"] == servers
+    assert all(before.env.get(v) == after.env.get(v) for v in AUTH_VARS)  # secrets on stdin
+    assert f"restarting it on host 127.0.0.1 at {restart.servers[1]}" in restart.stderr
+    assert f"server 1 rejoined at {restart.servers[1]}" in restart.stderr
+
+
+FAKE_SERVER = """#!{python}
+import os, sys
+argv = sys.argv[1:]
+rank = int(argv[argv.index("--server-rank") + 1])
+port = int(argv[argv.index("--port") + 1]) or 40000 + rank  # nothing listens there
+if os.environ.get("MOVE") and argv[argv.index("--port") + 1] != "0":
+    port += 1
+print("KVSTORE_READY tcp://127.0.0.1:%d" % port, flush=True)
+print("replicas", os.environ["KVSTORE_REPLICAS"], "servers", os.environ["KVSTORE_SERVERS"],
+      file=sys.stderr, flush=True)
+sys.stdin.read()  # until the launcher stops it
+"""
+"""A stand-in server: prints a READY line (port 40000 + rank the first time, then the port it
+is given, or the next one with MOVE set) and what it got, then waits for its stdin to close."""
+
+
+class FakeServers(LocalBackend):
+    """Servers are :data:`FAKE_SERVER`, with ``env`` added to every child's environment."""
+
+    def __init__(self, script: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.script = script
+        self.env = env or {}
+
+    def server_python(self) -> str:
+        return str(self.script)
+
+    def child(self, role, rank, argv, env) -> ChildCommand:
+        return super().child(role, rank, argv, {**env, **self.env})
+
+
+def _supervise_fake_servers(tmp_path: Path, env: dict[str, str] | None = None, **options):
+    """A supervisor of 2 fake servers and one sleeping worker, running in a thread, and its
+    stderr; the caller kills servers by pid, the thread ends with the job's exit status."""
+    script = tmp_path / "fake-server"
+    script.write_text(FAKE_SERVER.format(python=PY))
+    script.chmod(0o755)
+    err = io.BytesIO()
+    supervisor = Supervisor(
+        FakeServers(script, env),
+        1,
+        2,
+        [PY, "-c", "import time; time.sleep(120)"],
+        replicas=2,
+        restart_servers=True,
+        auth=False,
+        out=io.BytesIO(),
+        err=err,
+        **options,
+    )
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(supervisor.run()))
+    thread.start()
+    return supervisor, thread, result, err
+
+
+def _wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + 60  # a hang guard
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _running_server(supervisor: Supervisor, rank: int):
+    children = [c for c in supervisor.children if c.role == "server" and c.rank == rank]
+    return children[-1] if children and children[-1].process.poll() is None else None
+
+
+def test_restarts_are_bounded_by_max_restarts(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvstore.deploy.supervisor")  # the rejoin is INFO
+    supervisor, thread, result, err = _supervise_fake_servers(tmp_path, max_restarts=1)
+    try:
+        _wait_until(lambda: any(c.role == "worker" for c in supervisor.children), "no worker")
+        first = _running_server(supervisor, 1)
+        os.kill(first.process.pid, signal.SIGKILL)
+        _wait_until(lambda: b"server 1 rejoined" in err.getvalue(), "no rejoin")
+        second = _running_server(supervisor, 1)
+        assert second is not first
+        os.kill(second.process.pid, signal.SIGKILL)  # one restart too many
+        thread.join(60)
+        assert not thread.is_alive()
+    finally:
+        supervisor.stop_all()
+        thread.join(30)
+    assert result == [128 + signal.SIGKILL]
+    text = err.getvalue().decode()
+    assert "[server 0] replicas 2 servers \n" in text  # the first servers start empty
+    servers = "tcp://127.0.0.1:40000,tcp://127.0.0.1:40001"
+    assert f"[server 1] replicas 2 servers {servers}\n" in text  # the replacement does not
+    assert "restarting it at tcp://127.0.0.1:40001 (restart 1 of 1)" in text
+    assert (
+        "server 1 was killed by SIGKILL while workers were running (restarted 1 time(s), "
+        "--max-restarts 1); stopping the others" in text
+    )
+    assert supervisor.restarts == {1: 1}
+    assert all(c.process.poll() is not None for c in supervisor.children)
+
+
+def test_a_server_that_comes_back_elsewhere_fails_the_job(tmp_path):
+    supervisor, thread, result, err = _supervise_fake_servers(tmp_path, env={"MOVE": "1"})
+    try:
+        _wait_until(lambda: any(c.role == "worker" for c in supervisor.children), "no worker")
+        os.kill(_running_server(supervisor, 0).process.pid, signal.SIGKILL)
+        thread.join(60)
+        assert not thread.is_alive()
+    finally:
+        supervisor.stop_all()
+        thread.join(30)
+    assert result == [1]
+    text = err.getvalue().decode()
+    assert (
+        "server 0 came back at tcp://127.0.0.1:40001, not at tcp://127.0.0.1:40000; stopping "
+        "the others" in text
+    )
+    assert all(c.process.poll() is not None for c in supervisor.children)

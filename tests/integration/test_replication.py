@@ -14,12 +14,14 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import pytest
-from kvtest import run_ranks, start_servers, stop_processes
+from kvtest import ServerProcess, read_ready, run_ranks, start_servers, stop_processes
 
 import kvstore
 
@@ -48,10 +50,14 @@ class Job:
         self.servers = start_servers(SERVERS, WORKERS, env=env, stderr=log)
         self.addresses = [server.address for server in self.servers]
 
-    def run(self, at_step: dict[int, Any] | None = None) -> list[list[np.ndarray]]:
+    def run(
+        self, at_step: dict[int, Any] | None = None, inline: dict[int, Any] | None = None
+    ) -> list[list[np.ndarray]]:
         """Every rank's pulled values after the last step; ``at_step``: step -> a callable
-        that worker 0 starts on a thread of its own as it begins that step."""
-        at_step = at_step or {}
+        that worker 0 starts on a thread of its own as it begins that step; ``inline``: one
+        it calls itself (the job waits for it)."""
+        at_step, inline = at_step or {}, inline or {}
+        self.stores: list[Any] = []
 
         def worker(rank: int) -> list[np.ndarray]:
             kv = kvstore.create(
@@ -65,6 +71,7 @@ class Job:
                 partition_bytes=16 * 1024,
                 replicas=self.replicas,
             )
+            self.stores.append(kv)
             with kv:
                 kv.set_gradient_compression({"type": "2bit", "threshold": 0.05})
                 kv.set_pull_compression({"type": "2bit", "threshold": 0.01})
@@ -74,11 +81,32 @@ class Job:
                 for step in range(STEPS):
                     if rank == 0 and step in at_step:
                         threading.Thread(target=at_step[step], daemon=True).start()
+                    if rank == 0 and step in inline:
+                        inline[step]()
                     kv.push(KEYS, _gradients(rank, step))
                     kv.pull(KEYS, out=outs)
                 return [out.copy() for out in outs]
 
         return run_ranks(WORKERS, worker, timeout=180)
+
+    def replace(self, rank: int) -> None:
+        """Start a server in place of the lost server ``rank``: the same rank and port, and
+        the job's addresses (by which it is caught up from the live replicas)."""
+        port = self.addresses[rank].rsplit(":", 1)[1]
+        env = {
+            **os.environ,
+            "KVSTORE_LOG_LEVEL": "ERROR",
+            "KVSTORE_REPLICAS": str(self.replicas),
+            "KVSTORE_HEARTBEAT_TIMEOUT": str(HEARTBEAT),
+            "KVSTORE_SERVERS": ",".join(self.addresses),
+        }
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.server", "--port", port, "--server-rank", str(rank),
+             "--num-servers", str(SERVERS), "--num-workers", str(WORKERS), "--threads", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+        )  # fmt: skip
+        self.servers[rank] = ServerProcess(process, self.addresses[rank], rank)
+        assert read_ready(process, 60) == self.addresses[rank]
 
     def stop(self) -> None:
         for server in self.servers:  # (a stopped server cannot take SIGTERM)
@@ -129,5 +157,36 @@ def test_replication_alone_changes_no_value(reference):
     try:
         values = job.run()
     finally:
+        job.stop()
+    _assert_identical(values, reference)
+
+
+def test_a_replaced_server_is_caught_up_and_the_job_survives_another_loss(reference):
+    """Server 1 is killed; a replacement (same rank and port) is caught up from the live
+    replicas and greeted by the workers; then server 2 is killed at a random moment: its
+    shard and the one it had taken over go on with servers 0 and 1."""
+    job = Job(replicas=2)
+    old = job.servers[1].process
+    try:
+
+        def kill_server_1() -> None:
+            job.servers[1].process.kill()
+            job.servers[1].process.wait()
+
+        def replace_server_1() -> None:
+            job.replace(1)
+            guard = time.monotonic() + 60
+            while any(kv._shared.transport.is_lost(1) for kv in job.stores):
+                assert time.monotonic() < guard, "the workers never took the replacement"
+                time.sleep(0.05)
+
+        def kill_server_2() -> None:
+            threading.Event().wait(0.01)
+            job.servers[2].process.kill()
+
+        values = job.run({15: kill_server_2}, inline={5: kill_server_1, 10: replace_server_1})
+        assert job.servers[2].process.poll() is not None
+    finally:
+        stop_processes([old])
         job.stop()
     _assert_identical(values, reference)

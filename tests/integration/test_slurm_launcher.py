@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from kvtest import launch
+from kvtest import kill_a_launched_server, launch
 
 pytestmark = pytest.mark.integration
 
@@ -133,3 +133,32 @@ def test_outside_an_allocation_or_without_srun(slurm_env, tmp_path):
     result = launch("--launcher", "slurm", "-H", "hosts", "-n", "1", "--", "true", env=env,
                     cwd=tmp_path)  # fmt: skip
     assert result.returncode == 2 and "-H is for --launcher ssh" in result.stderr
+
+
+def test_a_server_step_is_restarted_on_its_node(slurm_env, tmp_path):
+    """A server killed during the job comes back as a new srun step of the same name on the
+    same node, on its port, with KVSTORE_SERVERS; the workers reach it at the same address."""
+    env, records = slurm_env
+    restart = kill_a_launched_server(
+        ["--launcher", "slurm", "--host", "127.0.0.1", "-n", "1", "-s", "2", "--replicas", "2",
+         "--restart-servers"],
+        tmp_path,
+        env=env,
+    )  # fmt: skip
+    assert restart.returncode == 0, restart.stderr
+    address = restart.servers[1]
+    assert address.startswith("tcp://localhost:")  # by node name, as workers reach it
+    port = address.rsplit(":", 1)[1]
+    servers = ",".join(restart.servers)
+    assert f"[worker 0] replicas 2 servers {servers}" in restart.stdout
+    assert restart.after.env["KVSTORE_SERVERS"] == servers
+    assert restart.after.env["KVSTORE_REPLICAS"] == "2"
+    assert f"restarting it on node localhost at {address}" in restart.stderr
+    assert f"server 1 rejoined at {address}" in restart.stderr
+
+    steps = [json.loads(path.read_text()) for path in records.iterdir()]
+    server_1 = [r for r in steps if "--job-name=kvstore-server-1" in r["options"]]
+    assert len(server_1) == 2  # the first step and the replacement
+    assert all("--nodelist=localhost" in r["options"] for r in server_1)
+    ports = sorted(r["argv"][r["argv"].index("--port") + 1] for r in server_1)
+    assert ports == ["0", port]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import parse_server_list
+from kvstore.config import ServerConfig, parse_server_list
 from kvstore.deploy.__main__ import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,6 +179,28 @@ def test_servers_and_workers_agree():
     assert servers == tuple(
         f"tcp://{name}-{i}.{service_name}:{port['port']}" for i in range(replicas)
     )
+
+
+def test_servers_are_replicated_and_know_each_other():
+    """Both sides have the same KVSTORE_REPLICAS (2 <= R <= S: a restarted pod catches up), and
+    the servers the workers' KVSTORE_SERVERS, which each server reads as its peers' addresses:
+    a pod that Kubernetes restarts comes back at its name and port and catches up from them."""
+    docs = _manifests()
+    statefulset, job = docs["StatefulSet"], docs["Job"]
+    server_env, worker_env = _env(_container(statefulset)), _env(_container(job))
+    replicas = server_env["KVSTORE_REPLICAS"]["value"]
+    assert worker_env["KVSTORE_REPLICAS"]["value"] == replicas
+    assert server_env["KVSTORE_SERVERS"]["value"] == worker_env["KVSTORE_SERVERS"]["value"]
+    env = {name: server_env[name]["value"] for name in ("KVSTORE_REPLICAS", "KVSTORE_SERVERS")}
+    words = _server_words(statefulset)
+    config = ServerConfig.from_env(
+        env,
+        server_rank=0,
+        num_servers=int(words[words.index("--num-servers") + 1]),
+        num_workers=int(words[words.index("--num-workers") + 1]),
+    )
+    assert 2 <= config.replicas == int(replicas) <= config.num_servers
+    assert config.peers == parse_server_list("KVSTORE_SERVERS", env["KVSTORE_SERVERS"])
 
 
 def test_the_server_rank_is_the_pods_ordinal(tmp_path):

@@ -108,6 +108,13 @@ GOLDEN = {
         [],
         "86a17606a26f700da269640fa2736401a26164a97463703a2f2f683a39a26e6290",
     ),
+    "STATE": (
+        Op.STATE,
+        16,
+        {"k": "w", "c": 0, "pt": "value"},
+        [np.zeros(2, np.float32)],
+        "87a17606a26f700ea2696410a16ba177a16300a27074a576616c7565a26e629108",
+    ),
     "REPLY": (
         Op.REPLY,
         4,
