@@ -381,6 +381,9 @@ class SaveFields:
     failure: str | None = _wire("er", STR, optional=True)
     """This worker could not do its own part: the server refuses the whole collective, naming
     the rank and this text."""
+    shards: list[int] | None = _wire("sd", RIDS, optional=True)
+    """With replication: the shards this server answers for as the worker sees it (a lost
+    server's shard is answered by its live replica, which writes that shard's part too)."""
 
 
 @dataclass(slots=True)
@@ -393,6 +396,8 @@ class LoadFields:
     """0: read and check, 1: commit, 2: abort."""
     failure: str | None = _wire("er", STR, optional=True)
     """As :attr:`SaveFields.failure`."""
+    shards: list[int] | None = _wire("sd", RIDS, optional=True)
+    """As :attr:`SaveFields.shards` (a server loads the part of every shard it holds)."""
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvstore import checkpoint
 from kvstore.errors import CheckpointError, CodecError, ErrorCode
@@ -52,13 +52,17 @@ class Collectives:
         self._state = state
         self._replies = replies
         self._work = work
+        self.take_over: Callable[[int], None] = lambda shard: None
+        """Answer for a lost server's shard (replication's ``take_over``; set by the server)."""
 
     # barrier and optimizer ---------------------------------------------------------------------
 
     def on_barrier(self, identity: bytes, rank: int, msg: Message) -> None:
         """Hold the worker in the barrier; release every worker when all N are in."""
-        if self._state.config.server_rank != 0:
-            raise RequestError(ErrorCode.WRONG_SERVER, "barriers are kept by server 0")
+        if 0 not in self._state.job.serving:
+            if not any(chunk.shard == 0 for chunk in self._state.job.chunks.values()):
+                raise RequestError(ErrorCode.WRONG_SERVER, "barriers are kept by server 0")
+            self.take_over(0)  # (server 0 was lost: its replica here keeps them)
         job = self._state.job
         job.require_all_ranks("the barrier")
         if rank in job.barrier:
@@ -163,6 +167,8 @@ class Collectives:
         call.replies[rank] = PendingReply(identity, msg.rid, rank, False, msg.op)
         if body.failure is not None:
             call.errors[rank] = body.failure
+        if body.shards is not None:
+            call.shards = (call.shards or set()) | set(body.shards)
         if len(call.replies) == self._state.config.num_workers:
             job.checkpoint = None
             job.checkpoint_busy = True
@@ -177,9 +183,9 @@ class Collectives:
                     "; ".join(f"rank {r} could not do its part: {text}" for r, text in failed)
                 )
             if call.op is Op.SAVE:
-                await self._save_shard(job, call.path)
+                await self._save_shards(job, call)
             elif call.phase == 0:
-                await self._prepare_load(job, call.path)
+                await self._prepare_load(job, call)
             elif call.phase == 1:
                 await self._commit_load(job)
         except Exception as exc:
@@ -215,40 +221,65 @@ class Collectives:
             )
         return chunks
 
-    async def _save_shard(self, job: Job, path: str) -> None:
+    def _shards(self, job: Job, call: CheckpointCall, held: bool) -> dict[int, list[ChunkState]]:
+        """The shards a checkpoint call covers here, with their chunks: this server's own; with
+        replication, those the workers say it answers for (it takes a lost server's over), and
+        for a load (``held``) every shard it holds a replica of, backups included."""
+        cfg = self._state.config
+        chunks = list(job.chunks.values())
+        if cfg.replicas == 1:
+            return {cfg.server_rank: chunks}
+        shards = set(call.shards) if call.shards is not None else {cfg.server_rank}
+        for shard in shards:
+            if shard not in job.serving and any(c.shard == shard for c in chunks):
+                self.take_over(shard)
+        if held:
+            shards |= {chunk.shard for chunk in chunks}
+        return {shard: [c for c in chunks if c.shard == shard] for shard in sorted(shards)}
+
+    async def _save_shards(self, job: Job, call: CheckpointCall) -> None:
         cfg = self._state.config
         chunks = self._check_quiescent(job, "save a checkpoint")
-        info = {
-            "server_rank": cfg.server_rank,
-            "num_servers": cfg.num_servers,
-            "num_workers": cfg.num_workers,
-            "mode": job.mode,
-            "optimizer": checkpointing.optimizer_entry(job.optimizer),
-        }
         async with _all_locked(chunks):  # (free: quiescent) pushes that sneak in wait
-            arrays, meta = checkpointing.snapshot(chunks, info)
-            await self._work.in_pool(
-                checkpoint.write_part,
-                path,
-                checkpoint.server_file(cfg.server_rank),
-                arrays,
-                meta,
-            )
+            for shard, own in self._shards(job, call, held=False).items():
+                info = {
+                    "server_rank": shard,
+                    "num_servers": cfg.num_servers,
+                    "num_workers": cfg.num_workers,
+                    "mode": job.mode,
+                    "optimizer": checkpointing.optimizer_entry(job.optimizer),
+                }
+                arrays, meta = checkpointing.snapshot(own, info)
+                await self._work.in_pool(
+                    checkpoint.write_part,
+                    call.path,
+                    checkpoint.server_file(shard),
+                    arrays,
+                    meta,
+                )
 
-    async def _prepare_load(self, job: Job, path: str) -> None:
+    async def _prepare_load(self, job: Job, call: CheckpointCall) -> None:
         cfg = self._state.config
-        chunks = self._check_quiescent(job, "load a checkpoint")
-        job.staged_load = await self._work.in_pool(
-            lambda: checkpointing.prepare_load(
-                path,
-                chunks,
-                job.optimizer,
-                server_rank=cfg.server_rank,
-                num_servers=cfg.num_servers,
-                num_workers=cfg.num_workers,
-                mode=job.mode,
-            ),
-        )
+        self._check_quiescent(job, "load a checkpoint")
+        staged = None
+        for shard, own in self._shards(job, call, held=True).items():
+            part = await self._work.in_pool(
+                lambda shard=shard, own=own: checkpointing.prepare_load(
+                    call.path,
+                    own,
+                    job.optimizer,
+                    server_rank=shard,
+                    num_servers=cfg.num_servers,
+                    num_workers=cfg.num_workers,
+                    mode=job.mode,
+                ),
+            )
+            if staged is None:
+                staged = part
+            else:
+                staged.restores += part.restores
+                staged.optimizer = staged.optimizer or part.optimizer
+        job.staged_load = staged
 
     async def _commit_load(self, job: Job) -> None:
         staged, job.staged_load = job.staged_load, None

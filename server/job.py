@@ -39,6 +39,7 @@ class CheckpointCall:
     path: str
     replies: dict[int, PendingReply] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)  # ranks that could not do their part
+    shards: set[int] | None = None  # (replication) the shards the workers say it answers for
 
     def describe(self) -> str:
         what = "save_checkpoint" if self.op is Op.SAVE else f"load_checkpoint (phase {self.phase})"

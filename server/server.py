@@ -155,6 +155,7 @@ class ShardServer:
         self._replication.rounds = self._rounds
         self._keys.take_over = self._replication.take_over
         self._collectives = Collectives(self._state, self._replies, self._work)
+        self._collectives.take_over = self._replication.take_over
         self._membership = Membership(self._state, self._replies, self._fail_waiting)
         self._membership.learn_peers = self._replication.learn_peers
         self._handlers: dict[Op, Callable[[bytes, int, Message], None]] = {

@@ -12,6 +12,7 @@ the collective, with its error (``er``), so that the servers refuse the call for
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -20,7 +21,7 @@ from typing import Any
 
 from kvstore import checkpoint
 from kvstore._version import __version__
-from kvstore.errors import CheckpointError, KVStoreError
+from kvstore.errors import CheckpointError, KVStoreError, ServerLostError
 from kvstore.optimizer_spec import make_optimizer_spec
 from kvstore.topology import Key
 from kvstore.wire import BarrierFields, LoadFields, SaveFields
@@ -169,6 +170,46 @@ class CheckpointProtocol:
             "keys": self._key_specs(),
         }
 
+    def _call_replicas(self, call: SaveFields | LoadFields, what: str) -> None:
+        """With replication: send the call to the server that answers for each shard, naming
+        the shards (it writes or reads a part per shard; a load goes to every live server, as
+        each holds backups to load too). Where a server is lost during the call, the call is
+        sent again for its shards to their next live replica (every worker does the same, so
+        that replica gathers all of them)."""
+        store = self._store
+        transport = store.transport
+        deadline = store.deadline()
+        plan = transport.shards_by_server()
+        if isinstance(call, LoadFields):
+            plan = {s: plan.get(s, []) for s in sorted({*plan, *transport.live_servers()})}
+        while plan:
+            requests = {
+                server: transport.submit(
+                    server,
+                    dataclasses.replace(call, shards=shards),
+                    what=f"{what} (server {server})",
+                )
+                for server, shards in plan.items()
+            }
+            moved: list[int] = []
+            for server, request in requests.items():
+                try:
+                    request.wait(deadline)
+                except ServerLostError:
+                    if transport.is_lost(server) and plan[server]:
+                        moved += plan[server]
+                        continue
+                    raise
+            routes = transport.shards_by_server()
+            plan = {}
+            for shard in moved:
+                server = next(s for s, shards in routes.items() if shard in shards)
+                if transport.is_lost(server):
+                    raise ServerLostError(
+                        f"{what}: no live replica of server {shard}'s shard is left", server
+                    )
+                plan.setdefault(server, []).append(shard)
+
     def _call(
         self, call: SaveFields | LoadFields, local_error: BaseException | None, what: str
     ) -> None:
@@ -178,12 +219,15 @@ class CheckpointProtocol:
         store = self._store
         if local_error is not None:
             call.failure = f"{type(local_error).__name__}: {local_error}"[:2000]
-        requests = [
-            store.transport.submit(s, call, what=f"{what} (server {s})")
-            for s in range(store.num_servers)
-        ]
         try:
-            wait_all(requests, store.options.timeout)
+            if store.options.replicas > 1:
+                self._call_replicas(call, what)
+            else:
+                requests = [
+                    store.transport.submit(s, call, what=f"{what} (server {s})")
+                    for s in range(store.num_servers)
+                ]
+                wait_all(requests, store.options.timeout)
         except KVStoreError:
             if local_error is None:
                 raise

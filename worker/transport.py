@@ -687,6 +687,21 @@ class Transport:
             self.servers[server],
         )
 
+    def shards_by_server(self) -> dict[int, list[int]]:
+        """Which server answers for which shards now (with replication, a lost server's go
+        with their live replica; a shard whose replicas are all lost stays with its lost
+        server). Servers answering for none are left out."""
+        with self._lock:
+            plan: dict[int, list[int]] = {}
+            for shard in range(len(self.servers)):
+                plan.setdefault(self._route.get(shard, shard), []).append(shard)
+            return plan
+
+    def live_servers(self) -> list[int]:
+        """The servers not lost."""
+        with self._lock:
+            return [s for s in range(len(self.servers)) if s not in self._lost]
+
     def is_lost(self, server: int) -> bool:
         """Whether ``server`` was lost (and not replaced since)."""
         with self._lock:
