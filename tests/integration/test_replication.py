@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -282,3 +283,69 @@ def test_dist_async_loses_no_push_and_applies_none_twice():
     for got in values:
         for key, a, b in zip(KEYS, got, expected, strict=True):
             assert np.array_equal(a, b), f"key {key!r}: {np.abs(a - b).max()} off"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_servers_started_as_kubernetes_pods_rejoin_after_a_restart(reference):
+    """Servers started the way the StatefulSet's pods are: fixed ports, and the job's
+    addresses and replicas in their environment from the first start (which then finds no job
+    to catch up with and starts empty). One is killed mid-job and started again with the very
+    same command, as the kubelet restarts a pod: it is caught up, and the job survives a
+    second loss."""
+    ports = _free_ports(SERVERS)
+    addresses = [f"tcp://127.0.0.1:{port}" for port in ports]
+    env = {
+        **os.environ,
+        "KVSTORE_LOG_LEVEL": "ERROR",
+        "KVSTORE_REPLICAS": "2",
+        "KVSTORE_HEARTBEAT_TIMEOUT": str(HEARTBEAT),
+        "KVSTORE_SERVERS": ",".join(addresses),
+    }
+
+    def pod(rank: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvstore.server", "--host", "127.0.0.1",
+             "--port", str(ports[rank]), "--server-rank", str(rank),
+             "--num-servers", str(SERVERS), "--num-workers", str(WORKERS), "--threads", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+        )  # fmt: skip
+
+    pods = [pod(rank) for rank in range(SERVERS)]
+    job = Job.__new__(Job)  # (its servers are the pods)
+    job.replicas, job.addresses = 2, addresses
+    job.servers = [
+        ServerProcess(p, a, r) for r, (p, a) in enumerate(zip(pods, addresses, strict=True))
+    ]
+    every = list(pods)
+    try:
+        for process in pods:
+            assert read_ready(process, 60) in addresses
+
+        def restart_server_1() -> None:
+            job.servers[1].process.kill()
+            job.servers[1].process.wait()
+            every.append(pod(1))
+            job.servers[1] = ServerProcess(every[-1], addresses[1], 1)
+            assert read_ready(every[-1], 60) == addresses[1]
+            guard = time.monotonic() + 60
+            while any(kv._shared.transport.is_lost(1) for kv in job.stores):
+                assert time.monotonic() < guard, "the workers never took the restarted pod"
+                time.sleep(0.05)
+
+        def kill_server_2() -> None:
+            job.servers[2].process.kill()
+
+        values = job.run({16: kill_server_2}, inline={6: restart_server_1})
+    finally:
+        stop_processes(every)
+    _assert_identical(values, reference)
