@@ -56,6 +56,12 @@ counts one push and pull per host where they aggregate, and every kvstore record
 ``host_up_bytes_per_step`` and ``host_down_bytes_per_step``: the payload bytes the busiest
 worker host's link carried per step, from its workers' counters.
 
+With ``--replicas R,...`` (the ``replication`` preset: 4 workers and 4 servers on hosts of
+their own, R = 1 and 2) the servers keep every shard on R servers (``KVSTORE_REPLICAS``,
+:mod:`kvstore.server.replication`): each round crosses a primary's link once more per backup
+before it is answered. Records say ``replicas``; with ``--link-trace`` the server hosts' bytes
+show what replication adds between servers.
+
 With ``--push-borrow`` the kvstore workers push with ``borrow=True`` (their dense gradients
 are sent from their own memory instead of copied first; see ``KVStore.push``).
 
@@ -73,6 +79,7 @@ steps, and how long they stood idle at a step's start and end (:mod:`link_trace`
     python -m benchmarks.bench_cluster --preset smoke
     python -m benchmarks.bench_cluster --preset full --out results/cluster.jsonl
     python -m benchmarks.bench_cluster --preset hierarchy --hierarchy both
+    python -m benchmarks.bench_cluster --preset replication --link-trace
 
 Needs root for ``ip netns``; without it, prints one "skipped" line and exits 0.
 """
@@ -114,6 +121,7 @@ PRESETS = {
         "servers": [1],
         "placements": ["separate"],
         "per_host": [1],
+        "replicas": [1],
         "baselines": [],
         "steps": 2,
         "warmup_seconds": 0.0,
@@ -126,6 +134,7 @@ PRESETS = {
         "servers": [1, 2, 4],
         "placements": ["separate", "colocated"],
         "per_host": [1],
+        "replicas": [1],
         "baselines": ["gloo-fp32", "gloo-fp16"],
         "steps": 5,
         "warmup_seconds": 8.0,
@@ -140,7 +149,22 @@ PRESETS = {
         "servers": [2],
         "placements": ["separate"],
         "per_host": [1, 2, 4],
+        "replicas": [1],
         "baselines": ["gloo-fp32"],
+        "steps": 5,
+        "warmup_seconds": 8.0,
+        "rate": 1000.0,
+    },
+    # every shard on 1 and on 2 servers, one cell after the other on the same machine state
+    "replication": {
+        "workloads": ["key10m", "resnet50"],
+        "codecs": ["none", "2bit-both"],
+        "workers": [4],
+        "servers": [4],
+        "placements": ["separate"],
+        "per_host": [1],
+        "replicas": [1, 2],
+        "baselines": [],
         "steps": 5,
         "warmup_seconds": 8.0,
         "rate": 1000.0,
@@ -600,15 +624,26 @@ def _placement(n: int, s: int, placement: str, per_host: int = 1) -> tuple[list[
 
 
 def run_kvstore(
-    cluster, args, workload_name, codec, n, s, placement, auth=False, per_host=1, hierarchy=True
+    cluster,
+    args,
+    workload_name,
+    codec,
+    n,
+    s,
+    placement,
+    auth=False,
+    per_host=1,
+    hierarchy=True,
+    replicas=1,
 ) -> dict:
     from kvstore.auth import JobKeys, role_env
 
     py = sys.executable
     keys = JobKeys.generate() if auth else None  # fresh per cell, as the launcher makes them
     # (every credential variable set or blanked: none is inherited from this shell)
-    env = {**os.environ, "KVSTORE_LOG_LEVEL": "WARNING", **role_env("server", keys)}
-    worker_env = {**os.environ, **role_env("worker", keys)}
+    replication = {"KVSTORE_REPLICAS": str(replicas)}
+    env = {**os.environ, "KVSTORE_LOG_LEVEL": "WARNING", **role_env("server", keys), **replication}
+    worker_env = {**os.environ, **role_env("worker", keys), **replication}
 
     def server(host: int, rank: int) -> list[str]:
         return [py, "-m", "kvstore.server", "--host", cluster.hosts[host].address, "--port", "0",
@@ -809,15 +844,19 @@ def orchestrate(args: argparse.Namespace) -> int:
         if k > 1:
             where["workers_per_host"] = k
         for codec in [] if args.baselines_only else pick["codecs"]:
-            for auth, hierarchy in itertools.product(
-                AUTH_MODES[args.auth], HIERARCHY_MODES[args.hierarchy] if k > 1 else (True,)
+            for auth, hierarchy, replicas in itertools.product(
+                AUTH_MODES[args.auth],
+                HIERARCHY_MODES[args.hierarchy] if k > 1 else (True,),
+                [r for r in pick["replicas"] if r <= s],
             ):
                 record = {"bench": "cluster", "system": "kvstore", "workload": wl, "codec": codec,
                           **where, **({"push_borrow": True} if args.push_borrow else {}),
                           **({"auth": auth} if args.auth != "off" else {}),
-                          **({"hierarchy": hierarchy} if k > 1 else {})}  # fmt: skip
+                          **({"hierarchy": hierarchy} if k > 1 else {}),
+                          **({"replicas": replicas} if pick["replicas"] != [1] else {}),
+                          }  # fmt: skip
                 cell(record, hosts, run_kvstore, args, wl, codec, n, s, placement, auth, k,
-                     hierarchy)  # fmt: skip
+                     hierarchy, replicas)  # fmt: skip
         if BARE in pick["baselines"]:  # right after kvstore's cells: the same machine state
             record = {"bench": "cluster", "system": BARE, "workload": wl, **where}
             cell(record, hosts, run_bare, args, wl, n, s, placement)
@@ -854,6 +893,9 @@ def main(argv: list[str] | None = None) -> int:
         "worker on its own (off), or each cell both ways (both)",
     )
     parser.add_argument("--baselines", type=csv(str))
+    parser.add_argument(
+        "--replicas", type=csv(int), help="servers holding each shard (KVSTORE_REPLICAS): 1,2"
+    )
     parser.add_argument(
         "--baselines-only", action="store_true", help="run the baselines and not kvstore"
     )

@@ -127,6 +127,10 @@ class Keys:
                 f"{spec.name} is server {chunk.shard}'s, rank {rank} declared it server "
                 f"{shard}'s; every worker must use the same KVSTORE_SERVERS",
             )
+        if rank in chunk.declared and self._state.config.replicas > 1:
+            if chunk.declared[rank] == spec and chunk.initialized:  # resent after a failover
+                self._replies.ack(PendingReply(identity, msg.rid, rank, False, Op.INIT))
+                return
         if rank in chunk.declared:
             raise RequestError(
                 ErrorCode.DUPLICATE_INIT,

@@ -55,6 +55,7 @@ from kvstore.errors import (
     DuplicateInitError,
     KVStoreError,
     OptimizerError,
+    ServerLostError,
     UsageError,
     ValueMismatchError,
 )
@@ -423,7 +424,8 @@ class KVStore:
                 deadline = self._deadline()
                 for state, _ in states:
                     self._host.add_key(state.key, state.numel, state.dtype, deadline)
-            requests = []
+            requests: list[Any] = []
+            backups: list[Any] = []  # INITs of the chunks' backups (with replication)
             replicas = self._options.replicas
             for state, v in states:
                 source = vals.host_copy(vals.flat_source(v)) if self.rank == 0 else None
@@ -450,15 +452,21 @@ class KVStore:
                     replicas_of = replica_servers(chunk.server, self.num_servers, replicas)
                     live = [s for s in replicas_of if not transport.is_lost(s)]
                     for server in live or [chunk.server]:
-                        requests.append(
-                            transport.submit(
-                                server,
-                                init,
-                                payloads,
-                                what=f"init of key {state.key!r} chunk {chunk.index}",
-                            )
+                        first = server == (live or [chunk.server])[0]  # (the one it needs)
+                        request = transport.submit(
+                            server,
+                            init,
+                            payloads,
+                            what=f"init of key {state.key!r} chunk {chunk.index}",
+                            routed=server == chunk.server,
                         )
+                        (requests if first else backups).append(request)
             wait_all(requests, self._options.timeout)
+            for request in backups:  # (a backup lost meanwhile: its replacement is caught up)
+                try:
+                    request.wait(self._options.timeout)
+                except ServerLostError:
+                    pass
             pushes_per_round = self.num_workers // self._shared.workers_per_push
             for state, _ in states:
                 # (an averaged key's value is the mean, not the sum a relayed pull redoes)

@@ -224,6 +224,7 @@ class Transport:
         what: str = "",
         on_done: Callable[[Request], None] | None = None,
         lane: int | None = None,
+        routed: bool = True,
     ) -> Request:
         """Queue a request to ``server`` and return it; thread-safe, never blocks on I/O.
 
@@ -240,6 +241,9 @@ class Transport:
                 the request completes, before anyone waiting on it wakes.
             lane: ``LANE_DATA`` or ``LANE_CONTROL``; by default pushes and inits take the data
                 lane and everything else the control lane.
+            routed: with replication, a request for ``server``'s shard that goes to its live
+                replica once ``server`` is lost (False: for this server itself, such as an
+                INIT of a backup it holds, which then fails).
         """
         rid = next(self._ids)
         op = wire.OP_OF[type(body)]
@@ -252,16 +256,16 @@ class Transport:
             lane = LANE_DATA if op in _DATA_OPS else LANE_CONTROL
         express = payload_bytes <= EXPRESS_BYTES
         bulk = 0 if express else payload_bytes
-        if self._replicas > 1:
+        if self._replicas > 1 and routed:
             request.resend = (frames, lane, priority, order_key, express, bulk)
         done: Message | None = None
         with self._lock:
             if self._closing:
                 raise KVStoreError("the store is closed")
-            if self._route and op in _ROUTED_OPS:
+            if self._route and routed and op in _ROUTED_OPS:
                 server = request.server = self._route.get(server, server)
             lost = self._lost.get(server)
-            if lost is not None and self._route and op in _ANSWERED_BY_REPLICAS:
+            if lost is not None and self._replicas > 1 and op in _ANSWERED_BY_REPLICAS:
                 done, lost = _ACKNOWLEDGED, None  # (the shard's live replica has it itself)
             elif lost is None:
                 self._pending[rid] = request
@@ -575,7 +579,7 @@ class Transport:
                     self._queue(request, *request.resend)
                     continue
                 del self._pending[request.rid]
-                if moved and request.op in _ANSWERED_BY_REPLICAS:
+                if self._replicas > 1 and request.op in _ANSWERED_BY_REPLICAS:
                     answered.append(request)
                 else:
                     failed.append(request)
@@ -635,8 +639,10 @@ class Transport:
                 request = Request(rid, server, Op.HELLO, f"greeting server {server}", 0)
                 with self._lock:
                     self._pending[rid] = request
+                sock = self._lanes[server][lane].sock
+                self._sent_on.add(sock)
                 try:
-                    self._lanes[server][lane].sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     with self._lock:
                         self._pending.pop(rid, None)

@@ -638,3 +638,14 @@ def test_diloco_async_smoke():
         assert 0 < line["final_accuracy"] <= 1 and line["epochs"] == 1, line
     setting = next(r for r in records if "preset" in r)
     assert setting["slowdown"] == 2.5 and setting["workers"] == 2
+
+
+def test_failover_smoke():
+    """A replicated job that loses a server finishes; one without replicas stops with
+    ServerLostError (times reported, never bound)."""
+    records = run("failover")
+    by_run = {r["run"]: r for r in records if "run" in r}
+    assert by_run["kill"]["finished"] and by_run["kill"]["errors"] == []
+    assert by_run["kill"]["stalled_s"] is not None and by_run["kill"]["replicas"] == 2
+    unreplicated = by_run["kill-unreplicated"]
+    assert not unreplicated["finished"] and unreplicated["errors"] == ["ServerLostError"]
