@@ -89,13 +89,19 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
     stores: list[Any] = []
     errors: list[str] = []
 
+    rejoined = threading.Event()
+
     def replace() -> None:
         start = time.monotonic()
         processes.append(_replacement(args, victim, addresses))
         processes[-1].stdout.readline()  # its READY line
+        guard = start + 120
         while any(kv._shared.transport.is_lost(victim) for kv in stores):
+            if time.monotonic() > guard:
+                return
             time.sleep(0.01)
         fault["rejoined_s"] = time.monotonic() - start
+        rejoined.set()
 
     def worker(rank: int) -> None:
         kv = kvstore.create(
@@ -119,6 +125,8 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
                     if name == "replace":
                         processes[victim].wait()
                         threading.Thread(target=replace, daemon=True).start()
+                if rank == 0 and name == "replace" and step == args.fault_step + 5:
+                    rejoined.wait(120)  # (the job waits: the replacement is timed while it runs)
                 kv.push(keys, grads)
                 kv.pull(keys, out=outs)
                 if rank == 0:
@@ -138,10 +146,6 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
             thread.start()
         for thread in threads:
             thread.join(600)
-        if name == "replace":
-            guard = time.monotonic() + 120
-            while "rejoined_s" not in fault and time.monotonic() < guard:
-                time.sleep(0.05)
     finally:
         for process in processes:
             if process.poll() is None:

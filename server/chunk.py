@@ -153,6 +153,9 @@ class ChunkState:
     round_pushes: list[tuple[int, list[Any]]] = field(default_factory=list)
     last_answer: list[bytes] | None = None
     joined: set[int] = field(default_factory=set)  # servers caught up with this chunk since
+    # dist_async's per-worker w_pub changes at each pull, which is not replicated: a replica
+    # that takes the chunk over starts them at a version no worker holds (a dense first reply)
+    pull_base: int = 0
 
     @property
     def initialized(self) -> bool:
@@ -190,6 +193,7 @@ class ChunkState:
         own = self.pull_by_rank.get(rank)
         if own is None:
             own = PublishedWeights(self.pull_codec, self.spec.key, self.value.current)
+            own.version = self.pull_base
             self.pull_by_rank[rank] = own
         return own
 

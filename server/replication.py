@@ -136,13 +136,20 @@ class Replication:
         self._backups: dict[int, tuple[ReplicaLink, ...]] = {}  # per shard served
         self._staged: dict[tuple[Any, int], dict[str, Any]] = {}  # chunks arriving (a joiner)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._job = state.job  # (the job the links' state is about)
 
     # which chunks forward ------------------------------------------------------------------------
 
     def backs_up(self, chunk: ChunkState) -> bool:
         """Whether rounds of ``chunk`` go to backups (its shard is served here and has a live
         backup)."""
-        return self.enabled and bool(self._backups_of(chunk.shard) or chunk.joined)
+        if not self.enabled:
+            return False
+        if self._job is not self._state.job:  # a new job: its backups start all live
+            self._job = self._state.job
+            self._dropped.clear()
+            self._backups.clear()
+        return bool(self._backups_of(chunk.shard) or chunk.joined)
 
     def _forward_links(self, chunk: ChunkState) -> list[ReplicaLink]:
         """The links a round of ``chunk`` goes to: its shard's live backups after this server,
@@ -235,6 +242,10 @@ class Replication:
             return
         job.serving.add(shard)
         self._backups.pop(shard, None)
+        for chunk in job.chunks.values():
+            if chunk.shard == shard:  # (dist_async's per-worker w_pub: see ChunkState)
+                chunk.pull_by_rank = {}
+                chunk.pull_base = TAKEN_OVER_VERSION + chunk.rounds
         logger.warning(
             "server %d takes over server %d's shard: a worker lost the replicas before it",
             self._state.config.server_rank,
@@ -542,6 +553,10 @@ class Replication:
             link.close()
         self._links.clear()
 
+
+TAKEN_OVER_VERSION = 2**40
+"""Where the ``w_pub`` versions of a taken-over chunk's workers start in ``dist_async`` (far
+above any version a worker can hold, so that each worker's first pull is answered whole)."""
 
 REJOIN_TIMEOUT = 10.0
 """Seconds a server that starts with the job's addresses waits for each other replica's answer
