@@ -384,6 +384,10 @@ class SaveFields:
     shards: list[int] | None = _wire("sd", RIDS, optional=True)
     """With replication: the shards this server answers for as the worker sees it (a lost
     server's shard is answered by its live replica, which writes that shard's part too)."""
+    retry: bool | None = _wire("rt", BOOL, optional=True)
+    """True: sent again to a live replica for ``shards`` after their server was lost during
+    the call; done for this worker alone, not gathered from all (some workers may have had
+    the lost server's answer)."""
 
 
 @dataclass(slots=True)
@@ -398,6 +402,9 @@ class LoadFields:
     """As :attr:`SaveFields.failure`."""
     shards: list[int] | None = _wire("sd", RIDS, optional=True)
     """As :attr:`SaveFields.shards` (a server loads the part of every shard it holds)."""
+    retry: bool | None = _wire("rt", BOOL, optional=True)
+    """As :attr:`SaveFields.retry` (a replica already loads every shard it holds: it only
+    acknowledges)."""
 
 
 @dataclass(slots=True)

@@ -197,7 +197,7 @@ class ChunkState:
             self.pull_by_rank[rank] = own
         return own
 
-    def busy(self) -> str | None:
+    def busy(self, locked_here: bool = False) -> str | None:
         """What is in flight on this chunk (a round, deferred pushes, waiting requests, work
         holding its lock), or None when it is quiescent: its state is then what the next round
         starts from, which is what a checkpoint saves."""
@@ -208,7 +208,7 @@ class ChunkState:
             return f"{self.spec.name} is being initialised"
         if self.pull_waiters:
             return f"{self.spec.name} has pulls waiting for pushes"
-        if self.lock.locked():
+        if self.lock.locked() and not locked_here:  # (held by the caller: not busy for it)
             return f"{self.spec.name} is being updated"
         return None
 

@@ -147,6 +147,9 @@ class Collectives:
         phase = body.phase if isinstance(body, LoadFields) else 0
         if phase > 2:
             raise RequestError(ErrorCode.BAD_MESSAGE, f"LOAD phase {phase} is not 0, 1 or 2")
+        if body.retry and self._state.config.replicas > 1:
+            self._retried(job, identity, rank, msg)
+            return
         job.require_all_ranks("a checkpoint")  # (a collective: it would wait for them)
         if job.checkpoint_busy:
             raise RequestError(
@@ -173,6 +176,32 @@ class Collectives:
             job.checkpoint = None
             job.checkpoint_busy = True
             self._work.spawn(self._carry_out_checkpoint(job, call))
+
+    def _retried(self, job: Job, identity: bytes, rank: int, msg: Message) -> None:
+        """A SAVE or LOAD sent again for a lost server's shards (replication): done for this
+        worker alone. A save writes those shards' parts from this replica's copy (the same
+        bytes whichever worker asks: the chunks are between steps); a load has nothing to do,
+        as every replica loads every shard it holds in the gathered call."""
+        reply = PendingReply(identity, msg.rid, rank, False, msg.op)
+        if msg.op is Op.LOAD:
+            self._replies.ack(reply)
+            return
+        call = CheckpointCall(msg.op, 0, msg.body.path, shards=set(msg.body.shards or ()))
+
+        async def save() -> None:
+            try:
+                await self._save_shards(job, call, retried=True)
+            except Exception as exc:
+                code = (
+                    ErrorCode.CHECKPOINT
+                    if isinstance(exc, CheckpointError | OSError)
+                    else ErrorCode.INTERNAL
+                )
+                self._replies.error(identity, msg.rid, msg.op, code, str(exc))
+                return
+            self._replies.ack(reply)
+
+        self._work.spawn(save())
 
     async def _carry_out_checkpoint(self, job: Job, call: CheckpointCall) -> None:
         error: BaseException | None = None
@@ -237,10 +266,16 @@ class Collectives:
             shards |= {chunk.shard for chunk in chunks}
         return {shard: [c for c in chunks if c.shard == shard] for shard in sorted(shards)}
 
-    async def _save_shards(self, job: Job, call: CheckpointCall) -> None:
+    async def _save_shards(self, job: Job, call: CheckpointCall, retried: bool = False) -> None:
         cfg = self._state.config
-        chunks = self._check_quiescent(job, "save a checkpoint")
+        # (a retry: the other workers may wait in the checkpoint's barrier already, and
+        # other retries may write the same parts: they take turns through the locks)
+        what = "save a checkpoint"
+        chunks = list(job.chunks.values()) if retried else self._check_quiescent(job, what)
         async with _all_locked(chunks):  # (free: quiescent) pushes that sneak in wait
+            problem = next((p for c in chunks if (p := c.busy(locked_here=True))), None)
+            if retried and problem is not None:
+                raise CheckpointError(f"cannot save a checkpoint: {problem}")
             for shard, own in self._shards(job, call, held=False).items():
                 info = {
                     "server_rank": shard,

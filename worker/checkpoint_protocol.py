@@ -182,15 +182,17 @@ class CheckpointProtocol:
         plan = transport.shards_by_server()
         if isinstance(call, LoadFields):
             plan = {s: plan.get(s, []) for s in sorted({*plan, *transport.live_servers()})}
+        retry = None
         while plan:
             requests = {
                 server: transport.submit(
                     server,
-                    dataclasses.replace(call, shards=shards),
+                    dataclasses.replace(call, shards=shards, retry=retry),
                     what=f"{what} (server {server})",
                 )
                 for server, shards in plan.items()
             }
+            retry = True
             moved: list[int] = []
             for server, request in requests.items():
                 try:
