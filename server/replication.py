@@ -267,7 +267,10 @@ class Replication:
 
         Raises RequestError(SHARD_MOVED) when a backup answers for the shard already (it took
         over: this server was counted lost by some worker)."""
-        kind, payloads, sizes, frames = KIND_FAILED, [], [], []
+        kind = KIND_FAILED
+        payloads: list[Any] = []
+        sizes: list[int] = []
+        frames: list[int] = []
         if pushes is not None:
             kind, payload, sizes, frames = self._encode(chunk, pushes, aggregate)
             payloads = [payload]

@@ -46,6 +46,7 @@ when the metrics are scraped.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -651,7 +652,7 @@ class Transport:
             else:
                 self._greetings[server] = greetings
                 for request in greetings:
-                    request.add_done_callback(lambda _, s=server: self._greeted(s))
+                    request.add_done_callback(functools.partial(self._greeted_one, server))
                 continue
             for request in greetings:
                 self._fail(request, KVStoreError("not sent"))
@@ -668,6 +669,9 @@ class Transport:
             return drawn != self._incarnations.get(request.server)
         self._incarnations[request.server] = drawn
         return True
+
+    def _greeted_one(self, server: int, request: Request) -> None:
+        self._greeted(server)
 
     def _greeted(self, server: int) -> None:
         """A greeting of a lost server completed: once both lanes' did, it is live again if
