@@ -32,7 +32,7 @@ from kvstore import checkpoint
 from kvstore.codecs import accumulator_dtype
 from kvstore.errors import CheckpointError, CodecError, OptimizerError
 from kvstore.optimizer_spec import make_optimizer_spec
-from kvstore.server.chunk import ChunkState, named_with
+from kvstore.server.chunk import ChunkSpec, ChunkState, named_with
 from kvstore.server.optimizers import Optimizer, make_optimizer
 
 
@@ -63,21 +63,22 @@ def snapshot(
         state, meta = chunk.checkpoint_state()
         spec = chunk.spec
         arrays.update({f"{i}.{name}": array for name, array in state.items()})
-        described.append(
-            {
-                "key": spec.key,
-                "chunk": spec.index,
-                "start": spec.start,
-                "numel": spec.numel,
-                "dtype": spec.dtype,
-                "shape": list(spec.shape),
-                "codec": dict(spec.codec),
-                "averaged": spec.averaged,
-                "arrays": sorted(state),
-                **meta,
-            }
-        )
+        described.append({**spec_entry(spec), "arrays": sorted(state), **meta})
     return arrays, {"kind": "server", **job, "chunks": described}
+
+
+def spec_entry(spec: ChunkSpec) -> dict[str, Any]:
+    """A chunk's spec as a part's chunk table (and a replica's state) records it."""
+    return {
+        "key": spec.key,
+        "chunk": spec.index,
+        "start": spec.start,
+        "numel": spec.numel,
+        "dtype": spec.dtype,
+        "shape": list(spec.shape),
+        "codec": dict(spec.codec),
+        "averaged": spec.averaged,
+    }
 
 
 @dataclass
@@ -273,4 +274,11 @@ def _expect(array: np.ndarray | None, dtype: np.dtype, numel: int, what: str) ->
         )
 
 
-__all__ = ["StagedLoad", "busy_reason", "optimizer_entry", "prepare_load", "snapshot"]
+__all__ = [
+    "StagedLoad",
+    "busy_reason",
+    "optimizer_entry",
+    "prepare_load",
+    "snapshot",
+    "spec_entry",
+]

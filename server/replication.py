@@ -56,7 +56,7 @@ from kvstore.codecs import accumulator_dtype, codec_from_spec
 from kvstore.codecs.pulled import pull_codec_from_spec
 from kvstore.errors import ErrorCode
 from kvstore.optimizer_spec import make_optimizer_spec
-from kvstore.server.checkpointing import optimizer_entry
+from kvstore.server.checkpointing import optimizer_entry, spec_entry
 from kvstore.server.chunk import ChunkSpec, ChunkState, named_with
 from kvstore.server.errors import RequestError
 from kvstore.server.job import ServerState
@@ -583,15 +583,8 @@ def _state_parts(chunk: ChunkState, job: Any) -> list[tuple[str, Any]]:
         arrays[f"answer.{i}"] = np.frombuffer(frame, dtype=np.uint8)
     spec = chunk.spec
     meta = {
-        "key": spec.key,
-        "chunk": spec.index,
-        "start": spec.start,
-        "numel": spec.numel,
-        "dtype": spec.dtype,
-        "shape": list(spec.shape),
-        "codec": dict(spec.codec),
+        **spec_entry(spec),
         "pull": dict(spec.pull),
-        "averaged": spec.averaged,
         "shard": chunk.shard,
         "declared": sorted(chunk.declared),
         "rounds": chunk.rounds,
