@@ -217,6 +217,11 @@ def progress_record(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and "perplexity" in record else None
 
 
+REPORT_CLOCKS = ("seconds", "wall")
+"""The clocks of every report record: the report's own seconds and the run's wall seconds
+after it (what the tables and plots read)."""
+
+
 def report_point(report: dict[str, Any], wall: float) -> tuple[dict[str, Any], float]:
     """What a run's record keeps of worker 0's ``report`` (:func:`progress_record`), and the
     run's wall seconds after it, given ``wall`` before it: an MNIST epoch brings its own

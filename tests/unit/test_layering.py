@@ -43,8 +43,10 @@ def _imports_of(folder: str) -> dict[str, set[str]]:
 
 def test_base_modules_depend_only_on_errors():
     assert _internal_imports(REPO / "kvstore/errors.py") == set()
-    for module in ("envvars", "wire"):
+    for module in ("envvars", "wire_schema"):
         assert _internal_imports(REPO / f"kvstore/{module}.py") <= {"kvstore.errors"}
+    # the protocol's layout, over its schema
+    assert _internal_imports(REPO / "kvstore/wire.py") <= {"kvstore.errors", "kvstore.wire_schema"}
     # config builds the per-role settings from the variable table
     assert _internal_imports(REPO / "kvstore/config.py") <= {"kvstore.errors", "kvstore.envvars"}
 
