@@ -304,16 +304,15 @@ class Replication:
     ) -> tuple[int, Any, list[int], list[int]]:
         """The kind and payload of a round: its sum where that replays exactly and is fewer
         bytes, else its pushes."""
-        packed, sizes, frames = pack_pushes([payloads for _, payloads in pushes])
-        aggregator = chunk.aggregator
-        summable = (
+        if (
             aggregate is not None
-            and not aggregator.state()
             and not chunk.codec.applies_step_size
             and (self._state.max_message is None or aggregate.nbytes <= self._state.max_message)
-        )
-        if summable and aggregate is not None and aggregate.nbytes < len(packed):
-            return KIND_SUM, aggregate, [], []
+            and aggregate.nbytes < sum(wire.buffer_nbytes(f) for _, push in pushes for f in push)
+            and not chunk.aggregator.state()
+        ):
+            return KIND_SUM, aggregate, [], []  # (the pushes are not copied then)
+        packed, sizes, frames = pack_pushes([payloads for _, payloads in pushes])
         return KIND_PUSHES, packed, sizes, frames
 
     # the backup's side -----------------------------------------------------------------------

@@ -652,7 +652,7 @@ class Transport:
             else:
                 self._greetings[server] = greetings
                 for request in greetings:
-                    request.add_done_callback(functools.partial(self._greeted_one, server))
+                    request.add_done_callback(functools.partial(self._greeted, server))
                 continue
             for request in greetings:
                 self._fail(request, KVStoreError("not sent"))
@@ -670,10 +670,7 @@ class Transport:
         self._incarnations[request.server] = drawn
         return True
 
-    def _greeted_one(self, server: int, request: Request) -> None:
-        self._greeted(server)
-
-    def _greeted(self, server: int) -> None:
+    def _greeted(self, server: int, _: Request) -> None:
         """A greeting of a lost server completed: once both lanes' did, it is live again if
         both were taken (I/O thread), else it is greeted again later."""
         greetings = self._greetings.get(server, [])
@@ -716,11 +713,6 @@ class Transport:
         """Whether ``server`` was lost (and not replaced since)."""
         with self._lock:
             return server in self._lost
-
-    def live_route(self, shard: int) -> int:
-        """The server that answers for ``shard`` now (its primary unless it was lost)."""
-        with self._lock:
-            return self._route.get(shard, shard)
 
     def _send_ping(self, server: int) -> Request | None:
         """Send a PING to ``server`` on its control lane now (I/O thread): no queue, no window.

@@ -44,6 +44,22 @@ def _gradients(rank: int, step: int) -> list[np.ndarray]:
     return [rng.normal(0, 0.05, n).astype(np.float32) for n in SIZES]
 
 
+def _store(mode: str, addresses: list[str], rank: int, replicas: int) -> Any:
+    """A worker's store in these jobs: keys of 10,000 elements or more sliced over the
+    servers, chunks of at most 16 KiB."""
+    return kvstore.create(
+        mode,
+        servers=addresses,
+        rank=rank,
+        num_workers=WORKERS,
+        timeout=60,
+        heartbeat_timeout=HEARTBEAT,
+        bigarray_bound=10_000,
+        partition_bytes=16 * 1024,
+        replicas=replicas,
+    )
+
+
 class Job:
     """Servers of one job, started with ``replicas``; ``run`` trains the workers on them."""
 
@@ -69,17 +85,7 @@ class Job:
         self.stores: list[Any] = []
 
         def worker(rank: int) -> list[np.ndarray]:
-            kv = kvstore.create(
-                "dist_sync",
-                servers=self.addresses,
-                rank=rank,
-                num_workers=WORKERS,
-                timeout=60,
-                heartbeat_timeout=HEARTBEAT,
-                bigarray_bound=10_000,
-                partition_bytes=16 * 1024,
-                replicas=self.replicas,
-            )
+            kv = _store("dist_sync", self.addresses, rank, self.replicas)
             self.stores.append(kv)
             with kv:
                 kv.set_gradient_compression({"type": "2bit", "threshold": 0.05})
@@ -255,17 +261,7 @@ def test_dist_async_loses_no_push_and_applies_none_twice():
     try:
 
         def worker(rank: int) -> list[np.ndarray]:
-            kv = kvstore.create(
-                "dist_async",
-                servers=addresses,
-                rank=rank,
-                num_workers=WORKERS,
-                timeout=60,
-                heartbeat_timeout=HEARTBEAT,
-                bigarray_bound=10_000,
-                partition_bytes=16 * 1024,
-                replicas=2,
-            )
+            kv = _store("dist_async", addresses, rank, 2)
             with kv:
                 kv.set_optimizer("sgd", learning_rate=1.0)
                 kv.init(KEYS, initial)
