@@ -209,6 +209,9 @@ from kvstore.wire_schema import (
     StateFields as StateFields,
 )
 from kvstore.wire_schema import (
+    TakenOverFields as TakenOverFields,
+)
+from kvstore.wire_schema import (
     _check_addresses as _check_addresses,
 )
 from kvstore.wire_schema import (

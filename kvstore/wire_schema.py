@@ -46,8 +46,8 @@ _INT64_MAX = 2**63 - 1
 
 
 class Op(IntEnum):
-    """Message operations. Requests go worker -> server (REPLICATE and CATCH_UP server ->
-    server, :mod:`kvstore.server.replication`); REPLY and ERROR go back."""
+    """Message operations. Requests go worker -> server (REPLICATE, CATCH_UP, STATE and
+    TAKEN_OVER server -> server, :mod:`kvstore.server.replication`); REPLY and ERROR go back."""
 
     HELLO = 1
     INIT = 2
@@ -63,6 +63,7 @@ class Op(IntEnum):
     REPLICATE = 12
     CATCH_UP = 13
     STATE = 14
+    TAKEN_OVER = 15
     REPLY = 16
     ERROR = 17
 
@@ -393,6 +394,17 @@ class StateFields:
 
 
 @dataclass(slots=True)
+class TakenOverFields:
+    """TAKEN_OVER: a replica that took a shard over (a worker counted the servers before it
+    lost) tells them so; one that still answers for it stops, and fails what waits on it
+    there with ``shard_moved``."""
+
+    shard: int = _wire("sd", UINT)
+    server: int = _wire("sv", UINT)
+    """The server that answers for the shard now."""
+
+
+@dataclass(slots=True)
 class ReplyFields:
     """REPLY: the answer to a request (payloads: a value, when the request asked for one)."""
 
@@ -442,6 +454,7 @@ Fields = (
     | ReplicateFields
     | CatchUpFields
     | StateFields
+    | TakenOverFields
     | ReplyFields
     | ErrorFields
 )
@@ -462,6 +475,7 @@ FIELDS_OF: dict[Op, type] = {
     Op.REPLICATE: ReplicateFields,
     Op.CATCH_UP: CatchUpFields,
     Op.STATE: StateFields,
+    Op.TAKEN_OVER: TakenOverFields,
     Op.REPLY: ReplyFields,
     Op.ERROR: ErrorFields,
 }
@@ -498,5 +512,6 @@ _PAYLOAD_COUNT: dict[Op, tuple[int, ...]] = {
     Op.REPLICATE: (0, 1),
     Op.CATCH_UP: (0,),
     Op.STATE: (0, 1),
+    Op.TAKEN_OVER: (0,),
     Op.ERROR: (0,),
 }

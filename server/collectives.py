@@ -59,6 +59,9 @@ class Collectives:
 
     def on_barrier(self, identity: bytes, rank: int, msg: Message) -> None:
         """Hold the worker in the barrier; release every worker when all N are in."""
+        moved = self._state.job.moved.get(0)
+        if moved is not None:
+            raise RequestError(ErrorCode.SHARD_MOVED, f"server {moved} keeps the barriers now")
         if 0 not in self._state.job.serving:
             if not any(chunk.shard == 0 for chunk in self._state.job.chunks.values()):
                 raise RequestError(ErrorCode.WRONG_SERVER, "barriers are kept by server 0")
@@ -72,6 +75,13 @@ class Collectives:
             arrived, job.barrier = job.barrier, {}
             for reply in arrived.values():
                 self._replies.ack(reply)
+
+    def barrier_moved(self, why: str) -> None:
+        """Another replica took server 0's shard over, and its barriers: the workers waiting in
+        this one are told so (``shard_moved``), and go on with that replica."""
+        waiting, self._state.job.barrier = self._state.job.barrier, {}
+        for reply in waiting.values():
+            self._replies.error(reply.identity, reply.rid, Op.BARRIER, ErrorCode.SHARD_MOVED, why)
 
     def on_set_optimizer(
         self, identity: bytes, rank: int, msg: Message[SetOptimizerFields]
@@ -147,6 +157,13 @@ class Collectives:
         phase = body.phase if isinstance(body, LoadFields) else 0
         if phase > 2:
             raise RequestError(ErrorCode.BAD_MESSAGE, f"LOAD phase {phase} is not 0, 1 or 2")
+        covered = set(body.shards) if body.shards is not None else {self._state.config.server_rank}
+        moved = sorted(covered & job.moved.keys())
+        if moved:
+            raise RequestError(
+                ErrorCode.SHARD_MOVED,
+                f"server {job.moved[moved[0]]} answers for server {moved[0]}'s shard now",
+            )
         if body.retry and self._state.config.replicas > 1:
             self._retried(job, identity, rank, msg)
             return

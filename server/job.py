@@ -75,6 +75,9 @@ class Job:
     # replication: the shards this server answers for (its own, and those of lost primaries
     # it took over); the others it holds are backups, changed only by their primary's rounds
     serving: set[int] = field(default_factory=set)
+    # replication: shards this server answered for until another replica took them over
+    # (a worker counted this server lost), with that replica; their requests are refused
+    moved: dict[int, int] = field(default_factory=dict)
 
     def lost_message(self, rank: int, what: str) -> str:
         """Why ``what`` fails while worker ``rank`` is lost."""

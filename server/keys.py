@@ -218,6 +218,13 @@ class Keys:
                 ErrorCode.NOT_INITIALIZED,
                 f"rank {rank} never called kv.init for key {key!r}; init is collective",
             )
+        moved = self._state.job.moved.get(chunk.shard)
+        if moved is not None:
+            raise RequestError(
+                ErrorCode.SHARD_MOVED,
+                f"{chunk.spec.name}: server {moved} answers for server {chunk.shard}'s shard "
+                f"now (a worker counted this server lost)",
+            )
         if chunk.shard not in self._state.job.serving:  # its primary was lost: answer for it
             self.take_over(chunk.shard)
         return chunk

@@ -37,7 +37,9 @@ the chunk (``sequence``): a resent push whose round was replicated here is answe
 being applied again (:meth:`~kvstore.server.rounds.Rounds._seen_before`); one whose round was
 not is summed in a round rebuilt from the resent pushes. Once a shard was taken over, its old
 primary's rounds are refused here (``SHARD_MOVED``), so a primary that was only slow cannot
-change a shard that another replica answers for.
+change a shard that another replica answers for; and the old primary is told
+(:meth:`Replication.on_taken_over`), so that the workers that still send to it are refused
+too and go on here (a round is never split between two replicas).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -64,7 +67,14 @@ from kvstore.server.optimizers import make_optimizer
 from kvstore.server.replica_link import LinkLost, RefusedByPeer, ReplicaLink
 from kvstore.server.replies import Replies
 from kvstore.topology import backed_up_shards, replica_servers
-from kvstore.wire import CatchUpFields, Message, Op, ReplicateFields, StateFields
+from kvstore.wire import (
+    CatchUpFields,
+    Message,
+    Op,
+    ReplicateFields,
+    StateFields,
+    TakenOverFields,
+)
 
 if TYPE_CHECKING:
     from kvstore.server.rounds import Rounds
@@ -137,6 +147,8 @@ class Replication:
         self._staged: dict[tuple[Any, int], dict[str, Any]] = {}  # chunks arriving (a joiner)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._job = state.job  # (the job the links' state is about)
+        self.barrier_moved: Callable[[str], None] = lambda why: None
+        """Fail the workers waiting in server 0's barrier (set by the server)."""
 
     # which chunks forward ------------------------------------------------------------------------
 
@@ -149,6 +161,8 @@ class Replication:
             self._job = self._state.job
             self._dropped.clear()
             self._backups.clear()
+        if chunk.shard in self._state.job.moved:  # (its rounds are refused: it moved)
+            return False
         return bool(self._backups_of(chunk.shard) or chunk.joined)
 
     def _forward_links(self, chunk: ChunkState) -> list[ReplicaLink]:
@@ -240,6 +254,11 @@ class Replication:
         job = self._state.job
         if shard in job.serving:
             return
+        if shard in job.moved:  # (this server was taken for lost: another one has it)
+            raise RequestError(
+                ErrorCode.SHARD_MOVED,
+                f"server {job.moved[shard]} answers for server {shard}'s shard now",
+            )
         job.serving.add(shard)
         self._backups.pop(shard, None)
         for chunk in job.chunks.values():
@@ -251,6 +270,69 @@ class Replication:
             self._state.config.server_rank,
             shard,
         )
+        self._spawn(self._announce(shard))
+
+    async def _announce(self, shard: int) -> None:
+        """Tell the replicas of ``shard`` before this server that it answers for the shard now.
+
+        A worker takes a server for lost on its own (a closed connection, or silence past its
+        heartbeat timeout), so a server that was only slow may still be sent a round's pushes
+        by the other workers: the round would then wait on both replicas for the pushes sent
+        to the other. Told, that server answers what waits on it with ``shard_moved``, and its
+        workers go on here too. A lost one does not answer, which changes nothing."""
+        config = self._state.config
+        if self.peers is None:
+            return
+        replicas = replica_servers(shard, config.num_servers, config.replicas)
+        own = config.server_rank
+        timeout = min(config.heartbeat_timeout or REJOIN_TIMEOUT, REJOIN_TIMEOUT)
+        job = self._state.job
+        for peer in replicas[: replicas.index(own)]:
+            # Until it answers: a stopped server may resume any time (a replacement started
+            # at its address answers too, and ignores the notice).
+            while job is self._state.job:
+                link = ReplicaLink(
+                    self._context, self.peers[peer], peer, config.curve, timeout, lambda *_: None
+                )
+                try:
+                    await link.request(
+                        TakenOverFields(shard=shard, server=own), [], "a takeover notice"
+                    )
+                    break
+                except RefusedByPeer:
+                    break
+                except LinkLost as exc:
+                    logger.info("server %d: server %d got no takeover notice: %s", own, peer, exc)
+                finally:
+                    link.close()
+                await asyncio.sleep(PROBE_SECONDS)
+
+    def on_taken_over(self, identity: bytes, msg: Message[TakenOverFields], user: str) -> None:
+        """Another replica took a shard this server answers for over: stop answering for it,
+        and fail what waits on it here with ``shard_moved`` (:meth:`_announce`). A server
+        that holds none of the shard's chunks yet, or is being caught up, has nothing to stop
+        (the notice was meant for the process it replaces)."""
+        self._check_server(user, "TAKEN_OVER")
+        shard, by = msg.body.shard, msg.body.server
+        job = self._state.job
+        chunks = [chunk for chunk in job.chunks.values() if chunk.shard == shard]
+        if shard in job.serving and chunks and not self._state.catching_up:
+            job.serving.discard(shard)
+            job.moved[shard] = by
+            self._backups.pop(shard, None)
+            logger.warning(
+                "server %d no longer answers for server %d's shard: server %d took it over "
+                "(a worker counted this server lost)",
+                self._state.config.server_rank,
+                shard,
+                by,
+            )
+            assert self.rounds is not None
+            for chunk in chunks:
+                self.rounds.shard_moved(chunk)
+            if shard == 0:
+                self.barrier_moved(f"server {by} keeps the barriers now")
+        self._replies.send(identity, wire.reply(msg.rid), Op.TAKEN_OVER)
 
     # the primary's side ----------------------------------------------------------------------
 
@@ -550,7 +632,10 @@ class Replication:
         job.chunks[(spec.key, spec.index)] = chunk
 
     def close(self) -> None:
-        """Close the links to other servers."""
+        """Stop the tasks under way (catch-ups, notices) and close the links to other
+        servers."""
+        for task in list(self._tasks):
+            task.cancel()
         for link in list(self._links.values()):
             link.close()
         self._links.clear()
@@ -559,6 +644,9 @@ class Replication:
 TAKEN_OVER_VERSION = 2**40
 """Where the ``w_pub`` versions of a taken-over chunk's workers start in ``dist_async`` (far
 above any version a worker can hold, so that each worker's first pull is answered whole)."""
+
+PROBE_SECONDS = 1.0
+"""How long a takeover notice that found no server waits before it is sent again."""
 
 REJOIN_TIMEOUT = 10.0
 """Seconds a server that starts with the job's addresses waits for each other replica's answer

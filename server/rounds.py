@@ -210,6 +210,10 @@ class Rounds:
 
     def _admit(self, chunk: ChunkState, push: Deferred) -> None:
         """Give a sync push its place in the current round, or defer it to a later one."""
+        moved = self._moved_error(chunk)
+        if moved is not None:  # (a deferred push, admitted after the shard moved)
+            self._finish_push(chunk, push.reply, moved)
+            return
         rank = push.reply.rank
         if rank in chunk.round_ranks or any(d.reply.rank == rank for d in chunk.deferred):
             chunk.deferred.append(push)
@@ -227,6 +231,8 @@ class Rounds:
     async def _accumulate(self, chunk: ChunkState, push: Deferred) -> None:
         payloads = push.payloads
         async with chunk.lock:  # turns are granted in arrival order
+            if chunk.shard in self._state.job.moved:
+                return  # (answered by shard_moved, which reset the round)
             first = chunk.accumulated == 0
             try:
                 await self._work.run(chunk, chunk.aggregator.add, payloads, first)
@@ -275,6 +281,7 @@ class Rounds:
         chunk.rounds += 1
         chunk.last_answer = intermediate if intermediate is not None else acknowledgement
         try:
+            error = error or self._moved_error(chunk)  # (never answered unreplicated)
             if self.replication.backs_up(chunk):  # the backups have it before anyone sees it
                 ranks = [reply.rank for reply in replies]
                 await self.replication.forward(
@@ -321,6 +328,7 @@ class Rounds:
                 error = exc
             chunk.rounds += 1
             try:
+                error = error or self._moved_error(chunk)
                 if self.replication.backs_up(chunk):
                     await self.replication.forward(
                         chunk,
@@ -538,6 +546,43 @@ class Rounds:
             return False
         waiter.acks.append(reply.rid)
         return True
+
+    # a shard another replica took over ---------------------------------------------------------
+
+    def _moved_error(self, chunk: ChunkState) -> RequestError | None:
+        """SHARD_MOVED if another replica took ``chunk``'s shard over, else None."""
+        moved = self._state.job.moved.get(chunk.shard)
+        if moved is None:
+            return None
+        return RequestError(
+            ErrorCode.SHARD_MOVED, f"server {moved} answers for server {chunk.shard}'s shard now"
+        )
+
+    def shard_moved(self, chunk: ChunkState) -> None:
+        """Another replica took ``chunk``'s shard over (some worker counted this server lost,
+        while others still sent here): answer every push and pull waiting here with
+        SHARD_MOVED, after the chunk's work before, so that their workers go on with that
+        replica too and the round is completed there, not split between the two."""
+
+        async def fail_waiting() -> None:
+            async with chunk.lock:
+                error = self._moved_error(chunk)
+                assert error is not None
+                replies = [*chunk.round_replies, *(push.reply for push in chunk.deferred)]
+                if chunk.accumulated:
+                    chunk.aggregator.abandon()
+                chunk.round_ranks, chunk.round_replies, chunk.round_payloads = set(), [], []
+                chunk.round_pushes, chunk.round_error, chunk.accumulated = [], None, 0
+                chunk.deferred = type(chunk.deferred)()
+                for reply in replies:
+                    self._finish_push(chunk, reply, error)
+                waiters, chunk.pull_waiters = chunk.pull_waiters, []
+                for waiter in waiters:
+                    for rid in waiter.acks:  # (pushes of replicated rounds: done)
+                        self._replies.send(waiter.reply.identity, wire.reply(rid), Op.PUSH)
+                    self._finish_push(chunk, waiter.reply, error)
+
+        self._work.submit(fail_waiting())
 
     # lost workers ------------------------------------------------------------------------------
 

@@ -156,6 +156,7 @@ class ShardServer:
         self._keys.take_over = self._replication.take_over
         self._collectives = Collectives(self._state, self._replies, self._work)
         self._collectives.take_over = self._replication.take_over
+        self._replication.barrier_moved = self._collectives.barrier_moved
         self._membership = Membership(self._state, self._replies, self._fail_waiting)
         self._membership.learn_peers = self._replication.learn_peers
         self._handlers: dict[Op, Callable[[bytes, int, Message], None]] = {
@@ -174,6 +175,7 @@ class ShardServer:
             Op.REPLICATE: self._replication.on_replicate,
             Op.CATCH_UP: self._replication.on_catch_up,
             Op.STATE: self._replication.on_state,
+            Op.TAKEN_OVER: self._replication.on_taken_over,
         }
         self._held_hellos: list[tuple[bytes, list[Any]]] = []
         self._rejoining: asyncio.Task[None] | None = None

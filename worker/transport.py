@@ -477,7 +477,7 @@ class Transport:
         """
         received = False
         while _socket_get(sock, _EVENTS) & _POLLIN:
-            self._on_reply(wire.recv_frames(sock))
+            self._on_reply(wire.recv_frames(sock), self._by_socket[sock].server)
             received = True
         heard = self._heartbeats.heard
         if received and heard is not None:  # a sign of life (heartbeats), once per batch
@@ -486,8 +486,9 @@ class Transport:
                 heard[server] = time.monotonic()
         return received
 
-    def _on_reply(self, frames: list[Any]) -> None:
-        """Complete the request that the received message ``frames`` answers."""
+    def _on_reply(self, frames: list[Any], sender: int) -> None:
+        """Complete the request that the received message ``frames`` from server ``sender``
+        answers."""
         metrics = self._metrics
         try:
             msg = wire.decode(frames)
@@ -503,6 +504,12 @@ class Transport:
             return
         with self._lock:
             request = self._pending.pop(msg.rid, None)
+            if request is not None and request.server != sender and msg.op is Op.ERROR:
+                # The refusal of a server this request left (it failed over to the shard's
+                # next replica, which answers it): a stopped server that resumed refuses what
+                # the workers sent it before they left, with ``shard_moved``.
+                self._pending[msg.rid] = request
+                return
             acknowledged = self._take_acknowledged(msg) if msg.op is Op.REPLY else []
         for push in acknowledged:
             push._complete(_ACKNOWLEDGED, None)
@@ -515,14 +522,17 @@ class Transport:
             return
         if msg.op is Op.ERROR and msg.body.code == ErrorCode.SHARD_MOVED:
             # Another replica answers for the shard: this server was counted lost elsewhere.
-            with self._lock:
-                if request.resend is not None and request.op in _ROUTED_OPS:
+            routed = request.resend is not None and request.op in _ROUTED_OPS
+            if routed:
+                with self._lock:
                     self._pending[request.rid] = request  # (moved with the server's others)
-            self._server_lost(
-                request.server,
+            reason = (
                 f"server {request.server} ({self.servers[request.server]}) no longer answers "
-                f"for its shard: {msg.body.message}",
+                f"for its shard: {msg.body.message}"
             )
+            self._server_lost(request.server, reason)
+            if not routed:  # (a checkpoint call: its caller retries it on the replica)
+                request._complete(None, self._lost_error(request.server, request.what, reason))
             return
         if msg.op is Op.ERROR:
             where = f"server {request.server} ({self.servers[request.server]})"

@@ -31,8 +31,8 @@ pytestmark = pytest.mark.integration
 WORKERS = SERVERS = 3
 HEARTBEAT = 5.0
 """KVSTORE_HEARTBEAT_TIMEOUT of servers and workers: a stopped server is lost after it (long
-enough that a busy machine's peers are not taken for lost: a job whose workers disagree about
-which server answers for a shard waits, see docs/design.md)."""
+enough that a busy machine's peers are not taken for lost: a worker that took both replicas of
+a shard for lost would end the job)."""
 STEPS = 24
 KEYS = ["a", "b", "c", "d", 7]
 SIZES = [5000, 300, 1000, 70_000, 20]
@@ -44,7 +44,9 @@ def _gradients(rank: int, step: int) -> list[np.ndarray]:
     return [rng.normal(0, 0.05, n).astype(np.float32) for n in SIZES]
 
 
-def _store(mode: str, addresses: list[str], rank: int, replicas: int) -> Any:
+def _store(
+    mode: str, addresses: list[str], rank: int, replicas: int, heartbeat: float = HEARTBEAT
+) -> Any:
     """A worker's store in these jobs: keys of 10,000 elements or more sliced over the
     servers, chunks of at most 16 KiB."""
     return kvstore.create(
@@ -53,7 +55,7 @@ def _store(mode: str, addresses: list[str], rank: int, replicas: int) -> Any:
         rank=rank,
         num_workers=WORKERS,
         timeout=60,
-        heartbeat_timeout=HEARTBEAT,
+        heartbeat_timeout=heartbeat,
         bigarray_bound=10_000,
         partition_bytes=16 * 1024,
         replicas=replicas,
@@ -68,6 +70,8 @@ class Job:
         self.replicas = replicas
         self.servers = start_servers(SERVERS, WORKERS, env=env, stderr=log)
         self.addresses = [server.address for server in self.servers]
+        self.heartbeats: dict[int, float] = {}
+        """Worker rank -> its heartbeat timeout, where not HEARTBEAT."""
 
     def run(
         self,
@@ -85,7 +89,8 @@ class Job:
         self.stores: list[Any] = []
 
         def worker(rank: int) -> list[np.ndarray]:
-            kv = _store("dist_sync", self.addresses, rank, self.replicas)
+            heartbeat = self.heartbeats.get(rank, HEARTBEAT)
+            kv = _store("dist_sync", self.addresses, rank, self.replicas, heartbeat)
             self.stores.append(kv)
             with kv:
                 kv.set_gradient_compression({"type": "2bit", "threshold": 0.05})
@@ -168,6 +173,34 @@ def test_a_job_that_loses_a_server_ends_bit_identical(reference, how, seed):
 
         values = job.run({step: lose})
         assert job.servers[victim].process.poll() is not None or how == "SIGSTOP"
+    finally:
+        job.stop()
+    _assert_identical(values, reference)
+
+
+def test_workers_that_disagree_about_a_loss_all_go_on_with_the_replica(reference):
+    """Workers that take a server for lost at different times: it is stopped for 4 s as a step
+    begins. Worker 0 (heartbeat timeout 1.5 s) pushes only once it counted it lost, so its
+    pushes go to the replica; worker 1 (1.5 s) pushed to the stopped server first and sends
+    them again to the replica; worker 2 (60 s) keeps waiting on the stopped server, which gets
+    workers 1's and 2's pushes of the round once it resumes, and the replica workers 0's and
+    1's. The replica that took the shard over tells the stopped server so, which then refuses
+    what worker 2 sent it: worker 2 goes on with the replica too, and no round is left split
+    between the two (without the notice, both would wait for a third push)."""
+    chance = random.Random(6)
+    victim, step = chance.randrange(SERVERS), chance.randrange(2, STEPS - 4)
+    job = Job(replicas=2)
+    job.heartbeats = {0: 1.5, 1: 1.5, 2: 60.0}
+    try:
+
+        def stop_and_wait() -> None:  # worker 0 itself: it pushes once it counted it lost
+            pid = job.servers[victim].process.pid
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(4.0, os.kill, (pid, signal.SIGCONT)).start()
+            threading.Event().wait(2.5)
+
+        values = job.run(inline={step: stop_and_wait})
+        assert all(kv._shared.transport.is_lost(victim) for kv in job.stores)
     finally:
         job.stop()
     _assert_identical(values, reference)
@@ -325,7 +358,7 @@ def test_servers_started_as_kubernetes_pods_rejoin_after_a_restart(reference):
 
     pods = [pod(rank) for rank in range(SERVERS)]
     job = Job.__new__(Job)  # (its servers are the pods)
-    job.replicas, job.addresses = 2, addresses
+    job.replicas, job.addresses, job.heartbeats = 2, addresses, {}
     job.servers = [
         ServerProcess(p, a, r) for r, (p, a) in enumerate(zip(pods, addresses, strict=True))
     ]

@@ -115,6 +115,13 @@ GOLDEN = {
         [np.zeros(2, np.float32)],
         "87a17606a26f700ea2696410a16ba177a16300a27074a576616c7565a26e629108",
     ),
+    "TAKEN_OVER": (
+        Op.TAKEN_OVER,
+        17,
+        {"sd": 1, "sv": 2},
+        [],
+        "86a17606a26f700fa2696411a2736401a2737602a26e6290",
+    ),
     "REPLY": (
         Op.REPLY,
         4,
