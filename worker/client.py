@@ -576,8 +576,8 @@ class KVStore:
         """A push with hierarchical aggregation: the host's sum of each key, of which this
         worker encodes and sends its share of the chunks (:mod:`kvstore.worker.host_group`)."""
         assert self._host is not None
-        for state, v in work:
-            total = self._host.host_sum(state.key, v, deadline)
+        totals = self._host.host_sums([(state.key, v) for state, v in work], deadline)
+        for (state, _), total in zip(work, totals, strict=True):
             self._pushes.send(state, total, Op.PUSH, priority, deadline=deadline)
 
     def _pull_for_host(
@@ -587,9 +587,9 @@ class KVStore:
         chunks into the host's shared result, and once every share landed copies the whole
         key into ``out`` (:mod:`kvstore.worker.host_group`)."""
         assert self._host is not None
+        keys = [state.key for state, _ in work]
         pending = []
-        for state, _ in work:
-            shared = self._host.pull_into(state.key, deadline)
+        for (state, _), shared in zip(work, self._host.pull_into(keys, deadline), strict=True):
             landing = Landing(state, shared, self._shared.stats)
             pending.append((landing, self._pulls.submit(state, landing, priority)))
         failed: KVStoreError | None = None
@@ -597,8 +597,7 @@ class KVStore:
             self._pulls.receive(pending, deadline)
         except KVStoreError as exc:  # the host's other workers are told, then it is raised
             failed = exc
-        for state, o in work:
-            self._host.pulled(state.key, o, deadline, failed)
+        self._host.pulled(keys, [o for _, o in work], deadline, failed)
 
     def pushpull(
         self, key: KeyArg, value: Any, out: Any = None, priority: int = 0, *, borrow: bool = False

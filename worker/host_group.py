@@ -5,7 +5,8 @@ Where a host runs several workers (one per GPU, ``KVSTORE_LOCAL_SIZE`` = k > 1),
 worker's gradient through the host's one link would carry k times what it must. Instead
 (MXNet's ``dist_device_sync``, BytePS):
 
-1. **Push.** Each worker writes its value into its slot of the key's shared-memory segment; once
+1. **Push.** Each worker writes its value into its slot of the key's shared-memory segment (all
+   keys of a call at once, so that a call meets the others twice whatever its key count); once
    all k have, each sums a 1/k slice of the key's elements over the k slots, in local-rank
    order, into the segment's sum (a reduce-scatter; no bulk bytes through any socket); once all
    k have, the owner of each chunk encodes it from the sum, with its own residual for that
@@ -40,6 +41,7 @@ import os
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -328,51 +330,80 @@ class HostGroup:
                                   table[self.size + 1])  # fmt: skip
 
     # push and pull ---------------------------------------------------------------------------
+    #
+    # A call meets the host's other workers twice, whatever number of keys it has (a model's
+    # hundreds of tensors in one push): on a host whose cores are busy each meeting costs a
+    # few scheduling turns, which one meeting per key would pay hundreds of times a step.
 
-    def host_sum(self, key: Key, value: Any, deadline: Deadline) -> np.ndarray:
-        """This worker's push of ``value`` summed with its host's others': the host's sum of
-        the whole key, valid until this worker's next call of the key."""
+    def host_sums(self, pairs: Sequence[tuple[Key, Any]], deadline: Deadline) -> list[np.ndarray]:
+        """This worker's push of each ``(key, value)`` summed with its host's others': the
+        host's sum of each whole key, valid until this worker's next call of the keys."""
         with self._lock:
-            return self._host_sum(key, value, deadline)
+            return self._host_sums(pairs, deadline)
 
-    def _host_sum(self, key: Key, value: Any, deadline: Deadline) -> np.ndarray:
-        held = self._keys[key]
-        held.pushes += 1
+    def _host_sums(self, pairs: Sequence[tuple[Key, Any]], deadline: Deadline) -> list[np.ndarray]:
+        held = [self._keys[key] for key, _ in pairs]
+        if not held:
+            return []
+        label = self._count(held, "push")
         failed: BaseException | None = None
         try:
-            source = vals.host_copy(vals.flat_source(value))
-            np.copyto(held.slots[self.local_rank], source, casting="no")
-        except BaseException as exc:  # the others must not wait for this slot
+            for one, (_, value) in zip(held, pairs, strict=True):
+                source = vals.host_copy(vals.flat_source(value))
+                np.copyto(one.slots[self.local_rank], source, casting="no")
+        except BaseException as exc:  # the others must not wait for these slots
             failed = exc
-        self.meet((held.index, "written", held.pushes), deadline, failed)
-        start, stop = reduce_slice(held.sum.size, self.size, self.local_rank)
-        region = held.sum[start:stop]
-        np.copyto(region, held.slots[0, start:stop])
-        for slot in held.slots[1:]:
-            np.add(region, slot[start:stop], out=region)
-        self.meet((held.index, "summed", held.pushes), deadline)
-        return held.sum
+        self.meet((label, "written", held[0].pushes), deadline, failed)
+        for one in held:
+            start, stop = reduce_slice(one.sum.size, self.size, self.local_rank)
+            region = one.sum[start:stop]
+            np.copyto(region, one.slots[0, start:stop])
+            for slot in one.slots[1:]:
+                np.add(region, slot[start:stop], out=region)
+        self.meet((label, "summed", held[0].pushes), deadline)
+        return [one.sum for one in held]
 
-    def pull_into(self, key: Key, deadline: Deadline) -> np.ndarray:
-        """Begin a pull of ``key``: once every worker of the host is in it, the array the
+    def pull_into(self, keys: Sequence[Key], deadline: Deadline) -> list[np.ndarray]:
+        """Begin a pull of ``keys``: once every worker of the host is in it, the arrays the
         owners land their chunks in."""
         with self._lock:
-            held = self._keys[key]
-            held.pulls += 1
-            self.meet((held.index, "pull", held.pulls), deadline)
-            return held.result
+            held = [self._keys[key] for key in keys]
+            if not held:
+                return []
+            label = self._count(held, "pull")
+            self.meet((label, "pull", held[0].pulls), deadline)
+            return [one.result for one in held]
 
     def pulled(
-        self, key: Key, out: Any, deadline: Deadline, failed: BaseException | None = None
+        self,
+        keys: Sequence[Key],
+        outs: Sequence[Any],
+        deadline: Deadline,
+        failed: BaseException | None = None,
     ) -> None:
-        """End a pull of ``key``: once every owner's chunks landed, copy the whole key into
-        ``out`` (unless this worker's or another's part ``failed``: raises it)."""
+        """End a pull of ``keys``: once every owner's chunks landed, copy each whole key into
+        its ``out`` (unless this worker's or another's part ``failed``: raises it)."""
         with self._lock:
-            held = self._keys[key]
-            self.meet((held.index, "landed", held.pulls), deadline, failed)
-            target = vals.FlatTarget(out)
-            target.write(0, held.result.size, held.result)
-            target.finish()
+            held = [self._keys[key] for key in keys]
+            if not held:
+                return
+            label = _label(held)
+            self.meet((label, "landed", held[0].pulls), deadline, failed)
+            for one, out in zip(held, outs, strict=True):
+                target = vals.FlatTarget(out)
+                target.write(0, one.result.size, one.result)
+                target.finish()
+
+    @staticmethod
+    def _count(held: list[HostKey], call: str) -> str:
+        """Count a push or pull of the keys ``held``; the label of their meetings (every
+        worker of the host makes the same calls, so their counts and labels agree)."""
+        for one in held:
+            if call == "push":
+                one.pushes += 1
+            else:
+                one.pulls += 1
+        return _label(held)
 
     def close(self) -> None:
         """Unmap the segments and close the sockets (idempotent)."""
@@ -404,11 +435,21 @@ def _peer_error(note: Any, where: str) -> KVStoreError:
     return KVStoreError(f"{where}: {name}: {message}")
 
 
+def _label(held: Sequence[HostKey]) -> str:
+    """The keys of one call, as their meetings' tags name them: their places in the host's init
+    order (a long list is shortened to its ends, its count and a checksum of all)."""
+    indexes = [one.index for one in held]
+    if len(indexes) <= 4:
+        return "key " + ", ".join(f"#{i}" for i in indexes)
+    checksum = zlib.crc32(np.asarray(indexes, np.int64).tobytes())
+    return f"keys #{indexes[0]}..#{indexes[-1]} ({len(indexes)} keys, {checksum:08x})"
+
+
 def _describe(tag: tuple[Any, ...]) -> str:
     """A step of the protocol, in words."""
     if len(tag) == 3:
-        index, step, count = tag
-        return f"step {step!r} of call {count} of the host's key #{index}"
+        label, step, count = tag
+        return f"step {step!r} of call {count} of the host's {label}"
     return f"{tag[0]!r}" + (f" of the host's key #{tag[1]}" if len(tag) > 1 else "")
 
 

@@ -73,13 +73,14 @@ def test_a_host_sums_its_workers_pushes_and_shares_a_pull():
         _together(groups, lambda g: g.add_key("w", 40, "float32", deadline))
 
         def step(group: HostGroup) -> np.ndarray:
-            total = group.host_sum("w", np.full(40, group.local_rank + 1, np.float32), deadline)
+            value = np.full(40, group.local_rank + 1, np.float32)
+            [total] = group.host_sums([("w", value)], deadline)
             seen = total.copy()
-            result = group.pull_into("w", deadline)
+            [result] = group.pull_into(["w"], deadline)
             if group.local_rank == 0:
                 result[:] = np.arange(40)  # as an owner's pulled chunks would land
             out = np.empty(40, np.float32)
-            group.pulled("w", out, deadline)
+            group.pulled(["w"], [out], deadline)
             return np.stack([seen, out])
 
         for seen, out in _together(groups, step):
