@@ -128,8 +128,14 @@ class Keys:
                 f"{shard}'s; every worker must use the same KVSTORE_SERVERS",
             )
         if rank in chunk.declared and self._state.config.replicas > 1:
-            if chunk.declared[rank] == spec and chunk.initialized:  # resent after a failover
-                self._replies.ack(PendingReply(identity, msg.rid, rank, False, Op.INIT))
+            # Declared twice on a backup: once as the backup's INIT, once resent here from a
+            # lost primary (in either order). Both are answered when rank 0's value is in.
+            if chunk.declared[rank] == spec:
+                reply = PendingReply(identity, msg.rid, rank, False, Op.INIT)
+                if chunk.initialized:
+                    self._replies.ack(reply)
+                else:
+                    chunk.init_waiters.append(reply)
                 return
         if rank in chunk.declared:
             raise RequestError(
@@ -164,10 +170,11 @@ class Keys:
             chunk.declared[0] = spec
             self._replies.ack(reply)
             waiting, chunk.init_waiters = chunk.init_waiters, []
+            declared = {other.rank: chunk.declared[other.rank] for other in waiting}
             for other in waiting:
-                other_spec = chunk.declared[other.rank]
+                other_spec = declared[other.rank]
                 if other_spec != spec:
-                    del chunk.declared[other.rank]
+                    chunk.declared.pop(other.rank, None)
                     self._replies.error(
                         other.identity, other.rid, Op.INIT, ErrorCode.SPEC_MISMATCH,
                         self._mismatch(other.rank, other_spec, spec),

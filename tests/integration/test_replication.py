@@ -321,6 +321,50 @@ def test_dist_async_loses_no_push_and_applies_none_twice():
             assert np.array_equal(a, b), f"key {key!r}: {np.abs(a - b).max()} off"
 
 
+def test_a_server_lost_while_inits_wait_for_rank_0_loses_nothing():
+    """Workers 1 and 2 init first and wait for rank 0's value; a server is killed meanwhile,
+    then rank 0 inits: every worker pulls rank 0's values, and a step of integer pushes under
+    SGD (learning rate 1) lands exactly."""
+    env = {"KVSTORE_REPLICAS": "2", "KVSTORE_HEARTBEAT_TIMEOUT": str(HEARTBEAT)}
+    servers = start_servers(SERVERS, WORKERS, env=env)
+    addresses = [server.address for server in servers]
+    initial = [np.linspace(-1, 1, n, dtype=np.float32) for n in SIZES]
+    others_waiting = threading.Barrier(WORKERS)
+
+    def pushes(rank: int) -> list[np.ndarray]:
+        return [np.full(n, rank + 1, np.float32) for n in SIZES]
+
+    try:
+
+        def worker(rank: int) -> list[list[np.ndarray]]:
+            kv = _store("dist_sync", addresses, rank, 2)
+            with kv:
+                kv.set_optimizer("sgd", learning_rate=1.0)
+                others_waiting.wait(30)
+                if rank == 0:  # the others' inits are on their way: lose a server, then init
+                    threading.Event().wait(0.5)
+                    servers[1].process.kill()
+                    servers[1].process.wait()
+                    threading.Event().wait(0.2)
+                kv.init(KEYS, initial if rank == 0 else [np.zeros_like(a) for a in initial])
+                outs = [np.empty(n, np.float32) for n in SIZES]
+                kv.pull(KEYS, out=outs)
+                first = [out.copy() for out in outs]
+                kv.push(KEYS, pushes(rank))
+                kv.pull(KEYS, out=outs)
+                return [first, [out.copy() for out in outs]]
+
+        values = run_ranks(WORKERS, worker, timeout=120)
+    finally:
+        stop_processes([server.process for server in servers], grace=5)
+    stepped = [a - sum(pushes(rank)[i] for rank in range(WORKERS)) for i, a in enumerate(initial)]
+    for first, after in values:
+        for key, got, want in zip(KEYS, first, initial, strict=True):
+            assert np.array_equal(got, want), f"key {key!r} after init"
+        for key, got, want in zip(KEYS, after, stepped, strict=True):
+            assert np.array_equal(got, want), f"key {key!r} after a step"
+
+
 def _free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     try:
