@@ -3,7 +3,8 @@
 ``save_checkpoint``: every worker waits for its pushes and writes its part (its codec state,
 :mod:`kvstore.worker.checkpointing`) into a staging directory, then asks every server to write
 its shard (SAVE); rank 0 writes the manifest and renames the directory into place
-(:mod:`kvstore.checkpoint`), and a barrier keeps everyone until it did. ``load_checkpoint``:
+(:mod:`kvstore.checkpoint`), and a barrier keeps everyone until it did (with replication, a
+barrier before it too: see :meth:`CheckpointProtocol.save`). ``load_checkpoint``:
 every worker checks the manifest, the job and its keys and reads its part, then the servers
 load in phases (LOAD 0: read and check, 1: commit, 2: abort), so that nothing changes anywhere
 unless every part could be restored. A worker that could not do its part still takes part in
@@ -65,9 +66,23 @@ class CheckpointProtocol:
         except (OSError, KVStoreError) as exc:
             local_error = exc
         # Even when this worker failed: the servers refuse the call for everyone then.
-        self._call(SaveFields(str(staging)), local_error, f"save to {target}")
+        call_error: KVStoreError | None = None
+        try:
+            self._call(SaveFields(str(staging)), local_error, f"save to {target}")
+        except KVStoreError as exc:
+            if store.options.replicas == 1:  # (a refusal for everyone: nobody goes on)
+                raise
+            call_error = exc
+        if store.options.replicas > 1:
+            # With replication a lost server's part is written again for each worker that
+            # sent it there (its retry, on the shard's next replica), and a retry can fail for
+            # one worker alone: every worker's calls end before rank 0 renames the staging
+            # directory (a retry still writing would find it gone), and a worker whose call
+            # failed still meets the others, so that none of them waits for it.
+            barrier = store.transport.submit(0, BarrierFields(), what="checkpoint barrier")
+            barrier.wait(store.options.timeout)
         finish_error: BaseException | None = None
-        if store.rank == 0:  # every part is in: the manifest, then the rename
+        if store.rank == 0 and call_error is None:  # every part is in: manifest, rename
             try:
                 checkpoint.finalize(
                     target,
@@ -80,6 +95,8 @@ class CheckpointProtocol:
         # Nobody returns before rank 0 finished (or failed).
         barrier = store.transport.submit(0, BarrierFields(), what="checkpoint barrier")
         barrier.wait(store.options.timeout)
+        if call_error is not None:
+            raise call_error
         if finish_error is not None:
             raise CheckpointError(
                 f"could not complete the checkpoint {target}: {finish_error}"

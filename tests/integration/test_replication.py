@@ -246,11 +246,6 @@ def test_a_replaced_server_is_caught_up_and_the_job_survives_another_loss(refere
     _assert_identical(values, reference)
 
 
-@pytest.mark.skip(
-    reason="known gap (server replication, in progress): a server lost during save_checkpoint "
-    "can leave one worker waiting in the checkpoint's barrier when the machine is loaded; "
-    "passes alone"
-)
 def test_a_server_killed_during_save_checkpoint_leaves_a_complete_checkpoint(reference, tmp_path):
     """A server is killed while the job saves a checkpoint: its replica writes its shard's
     part, the job goes on bit-identical, and a new job resumed from the checkpoint ends where

@@ -245,7 +245,8 @@ def _envelope_cases() -> list[Any]:
     cases = []
     for value in [v for v in EVERY_TYPE if type(v) is not int] + [V - 1, V + 1, -1, UINT64_MAX]:
         cases.append(("v", value, 0, "protocol version|'v'"))
-    for value in [v for v in EVERY_TYPE if type(v) is not int] + [0, max(Op) + 1, 99, -1, UINT64_MAX]:
+    unknown_ops = [0, max(Op) + 1, 99, -1, UINT64_MAX]
+    for value in [v for v in EVERY_TYPE if type(v) is not int] + unknown_ops:
         cases.append(("op", value, 0, "unknown op"))
     for value in wrong_values(wire.UINT):
         cases.append(("id", value, 0, "'id'"))
