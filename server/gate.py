@@ -29,7 +29,10 @@ gate's relay: each relayed connection comes from its own loopback address (127.6
 which ZeroMQ reports as every message's ``Peer-Address``. If the server has nothing left to
 take while frames wait for room that unfinished messages hold, no message could ever finish:
 after :data:`STALL_SECONDS` the gate closes the connection whose unfinished message holds the
-most, first among those that stopped sending, and libzmq drops that message.
+most, first among those that stopped sending, and libzmq drops that message. Only a check that
+runs on time, while the server's socket has no message ready, decides that: on a busy machine
+the event loop can be away for longer than that, and when it comes back it runs its due timers
+before it reads any socket, so that the server's last "nothing to take" is stale then.
 
 Replies pass the other way with ordinary flow control: a peer with more than
 :data:`REPLY_BACKLOG` bytes of replies unread is not read, so it cannot make the server produce
@@ -115,12 +118,14 @@ class AdmissionGate:
         target_port: int,
         warn: Warn,
         on_unencrypted: Callable[[str], None] | None = None,
+        message_ready: Callable[[], bool] = lambda: False,
     ) -> None:
         """``target_port``: where the server's socket listens on 127.0.0.1; ``warn(logger,
         about, message, *texts)`` logs a rate-limited warning about a peer;
         ``on_unencrypted(peer)``, given for a server with CURVE keys, is told of each peer
         whose greeting offers no encryption (libzmq refuses it after the greeting; the gate
-        still relays it, so that the peer learns why)."""
+        still relays it, so that the peer learns why); ``message_ready()``: whether the
+        server's socket has a message it has not taken yet."""
         self.limits = limits
         self._on_unencrypted = on_unencrypted
         self._target_port = target_port
@@ -132,6 +137,8 @@ class AdmissionGate:
         self._waiting: dict[_Link, None] = {}  # links with a frame waiting for room, in order
         self._admit_scheduled = False
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._stall_due = 0.0  # (the loop's time) when the stall timer should fire
+        self._message_ready = message_ready
         self._last_taken = time.monotonic()
         self._server_idle = True
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -319,8 +326,8 @@ class AdmissionGate:
 
     def wait(self, link: _Link) -> None:
         self._waiting[link] = None
-        if self._stall_timer is None and self._loop is not None:
-            self._stall_timer = self._loop.call_later(STALL_SECONDS / 2, self._check_stall)
+        if self._stall_timer is None:
+            self._arm_stall_check()
 
     def _admit_waiting(self) -> None:
         self._admit_scheduled = False
@@ -336,6 +343,11 @@ class AdmissionGate:
             return
         assert self._loop is not None
         now = time.monotonic()
+        if self._loop.time() - self._stall_due > STALL_SECONDS / 4 or self._message_ready():
+            # The loop was away (busy, or this process was not running), or the server has a
+            # message to take that its loop has not seen yet: nothing says that nothing can
+            # finish. Judge again, a whole STALL_SECONDS on, once the loop read its sockets.
+            self._last_taken = now
         if self._server_idle and now - self._last_taken >= STALL_SECONDS:
             holders = [link for link in self._links.values() if link.held > 0 and link.open]
             if holders:
@@ -357,7 +369,12 @@ class AdmissionGate:
                 self._last_taken = now
                 self._admit_waiting()
         if self._waiting:
-            self._stall_timer = self._loop.call_later(STALL_SECONDS / 2, self._check_stall)
+            self._arm_stall_check()
+
+    def _arm_stall_check(self) -> None:
+        if self._loop is not None:
+            self._stall_due = self._loop.time() + STALL_SECONDS / 2
+            self._stall_timer = self._loop.call_at(self._stall_due, self._check_stall)
 
 
 class _Link:

@@ -231,6 +231,7 @@ class ShardServer:
                     target,
                     self._replies.warn,
                     self._zap.refuse_unencrypted if self._zap is not None else None,
+                    self._message_ready,
                 )
                 if self._zap is not None:
                     self._zap.describe_address = self._gate.public_peer
@@ -335,6 +336,21 @@ class ShardServer:
         if self._gate is not None:
             self._gate.close()
             self._gate = None
+
+    def _message_ready(self) -> bool:
+        """Whether the socket holds a message the loop has not taken yet (for the gate); if
+        so, a drain is scheduled (reading ``EVENTS`` can consume the edge its descriptor would
+        have signalled)."""
+        sock = self._socket
+        if sock is None or sock.closed:
+            return False
+        try:
+            ready = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
+        if ready:
+            self._schedule_drain()
+        return ready
 
     @property
     def gate(self) -> AdmissionGate | None:
