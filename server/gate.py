@@ -208,6 +208,11 @@ class AdmissionGate:
     def connections(self) -> int:
         return len(self._links)
 
+    @property
+    def waiting_connections(self) -> int:
+        """Connections with a frame that waits for room."""
+        return len(self._waiting)
+
     # connections ---------------------------------------------------------------------------
 
     def _accept(self, side: _ClientSide, transport: asyncio.Transport) -> None:
