@@ -345,7 +345,8 @@ class ShardServer:
         if sock is None or sock.closed:
             return False
         try:
-            ready = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            events = sock.getsockopt(zmq.EVENTS)
+            ready = isinstance(events, int) and bool(events & zmq.POLLIN)
         except zmq.ZMQError:
             return False
         if ready:
