@@ -14,45 +14,40 @@ aggregates on its hosts (``KVSTORE_HIERARCHY=1``):
   (``KVSTORE_HIERARCHY=0``: each of the host's workers pushes and pulls on its own) and against
   gloo's fp32 allreduce of the same workers on the same hosts;
 * the share of this machine's cores that were busy during the timed steps (``cpu_busy``) and
-  the core-seconds the job's processes used per step over the step (``seconds_per_step x
-  cpu_job x cores`` / ``seconds_per_step``): where that is near the core count, the cores and
-  not the links bound the step.
+  how many cores the job's processes kept busy on average (``cpu_job x cores``): where that is
+  near the core count, the cores and not the links bound the step.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
+
+from benchmarks import report
 
 Cell = tuple[str, str, int, int, bool]
 """(workload, codec, workers, workers per host, aggregated on the host)."""
 
 
 def load(paths: list[str]) -> tuple[dict[Cell, dict], dict[tuple[str, int, int], dict]]:
-    """(kvstore cells by :data:`Cell`, gloo fp32 cells by (workload, workers, per host)); a
-    cell measured twice keeps its last record, a failed one none."""
+    """(kvstore cells by :data:`Cell`, gloo fp32 cells by (workload, workers, per host)), read
+    by :func:`benchmarks.report.load`; a cell measured twice keeps its last record, a failed
+    one none."""
+    records, baselines, _ = report.load(paths)
     kv: dict[Cell, dict] = {}
-    gloo: dict[tuple[str, int, int], dict] = {}
-    for path in paths:
-        for line in Path(path).read_text().splitlines():
-            record = json.loads(line) if line.strip() else {}
-            if "seconds_per_step" not in record:
-                continue
-            per_host = int(record.get("workers_per_host", 1))
-            if record.get("system") == "kvstore":
-                cell = (
-                    record["workload"],
-                    record["codec"],
-                    int(record["workers"]),
-                    per_host,
-                    bool(record.get("hierarchy", per_host == 1)),
-                )
-                kv[cell] = record
-            elif record.get("system") == "gloo-fp32":
-                gloo[(record["workload"], int(record["workers"]), per_host)] = record
+    for record in records:
+        if "seconds_per_step" in record:
+            k = int(record.get("workers_per_host", 1))
+            aggregated = bool(record.get("hierarchy", k == 1))
+            kv[(record["workload"], record["codec"], int(record["workers"]), k, aggregated)] = (
+                record
+            )
+    gloo = {
+        (r["workload"], int(r["workers"]), int(r.get("workers_per_host", 1))): r
+        for r in baselines
+        if r["system"] == "gloo-fp32" and "seconds_per_step" in r
+    }
     return kv, gloo
 
 
@@ -86,14 +81,13 @@ def rows(
         flat = kv.get((workload, codec, workers, k, False))
         baseline = gloo.get((workload, workers, k))
         step = record["seconds_per_step"]
-        mb = 1e6
         up, down = record["host_up_bytes_per_step"], record["host_down_bytes_per_step"]
         out.append(
             [
                 workload,
                 CODEC_NAMES.get(codec, codec),
                 f"{hosts} x {k}",
-                f"{up / mb:.1f} / {down / mb:.1f} MB",
+                f"{up / 1e6:.1f} / {down / 1e6:.1f} MB",
                 _ratio(up, alone and alone["host_up_bytes_per_step"])
                 + " / "
                 + _ratio(down, alone and alone["host_down_bytes_per_step"]),

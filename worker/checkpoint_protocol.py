@@ -79,8 +79,7 @@ class CheckpointProtocol:
             # one worker alone: every worker's calls end before rank 0 renames the staging
             # directory (a retry still writing would find it gone), and a worker whose call
             # failed still meets the others, so that none of them waits for it.
-            barrier = store.transport.submit(0, BarrierFields(), what="checkpoint barrier")
-            barrier.wait(store.options.timeout)
+            self._barrier()
         finish_error: BaseException | None = None
         if store.rank == 0 and call_error is None:  # every part is in: manifest, rename
             try:
@@ -92,9 +91,7 @@ class CheckpointProtocol:
                 )
             except (OSError, KVStoreError) as exc:
                 finish_error = exc
-        # Nobody returns before rank 0 finished (or failed).
-        barrier = store.transport.submit(0, BarrierFields(), what="checkpoint barrier")
-        barrier.wait(store.options.timeout)
+        self._barrier()  # nobody returns before rank 0 finished (or failed)
         if call_error is not None:
             raise call_error
         if finish_error is not None:
@@ -107,6 +104,12 @@ class CheckpointProtocol:
                 raise CheckpointError(
                     f"rank 0 did not complete the checkpoint {target} (see its error)"
                 )
+
+    def _barrier(self) -> None:
+        store = self._store
+        store.transport.submit(0, BarrierFields(), what="checkpoint barrier").wait(
+            store.options.timeout
+        )
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Restore the state saved by :meth:`save` (see ``KVStore.load_checkpoint``)."""

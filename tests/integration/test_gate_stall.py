@@ -57,7 +57,7 @@ def _unfinished_push() -> bytes:
             "c": 0,
             "n": 4,
             "nb": [FRAME],
-        }  # fmt: skip
+        }
     )
     return (
         _greeting()

@@ -38,7 +38,7 @@ def test_each_aggregated_cell_is_compared_with_its_three_references(tmp_path):
             "workers": 4,
             "workers_per_host": 2,
             "seconds_per_step": 0.5,
-        },  # fmt: skip
+        },
         {
             "system": "kvstore",
             "workload": "key10m",
@@ -47,7 +47,7 @@ def test_each_aggregated_cell_is_compared_with_its_three_references(tmp_path):
             "workers_per_host": 4,
             "hierarchy": True,
             "error": "lost",
-        },  # fmt: skip
+        },
     ]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     table = rows(*load([str(path)]), cores=2)
@@ -65,6 +65,6 @@ def test_each_aggregated_cell_is_compared_with_its_three_references(tmp_path):
             "0.500 s",
             "2.20x",
             "0.50, 0.50",
-        ]  # fmt: skip
+        ]
     ]
     assert markdown(table).count("\n") == 2  # a header, its rule and the row
