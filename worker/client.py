@@ -422,8 +422,9 @@ class KVStore:
                 states.append((state, v))
             if self._host is not None:
                 deadline = self._deadline()
-                for state, _ in states:
-                    self._host.add_key(state.key, state.numel, state.dtype, deadline)
+                for state, v in states:  # (GPU values are summed on the GPUs where they can)
+                    device = vals.cuda_device_index(v)
+                    self._host.add_key(state.key, state.numel, state.dtype, deadline, device)
             requests: list[Any] = []
             backups: list[Any] = []  # INITs of the chunks' backups (with replication)
             replicas = self._options.replicas
@@ -577,8 +578,10 @@ class KVStore:
         worker encodes and sends its share of the chunks (:mod:`kvstore.worker.host_group`)."""
         assert self._host is not None
         totals = self._host.host_sums([(state.key, v) for state, v in work], deadline)
-        for (state, _), total in zip(work, totals, strict=True):
-            self._pushes.send(state, total, Op.PUSH, priority, deadline=deadline)
+        for (state, value), total in zip(work, totals, strict=True):
+            # (a sum on a GPU is encoded there, on the stream of the value it came from)
+            with vals.device_stream(value), vals.device_of(total):
+                self._pushes.send(state, total, Op.PUSH, priority, deadline=deadline)
 
     def _pull_for_host(
         self, work: list[tuple[KeyState, Any]], priority: int, deadline: Deadline

@@ -8,7 +8,10 @@ worker's gradient through the host's one link would carry k times what it must. 
 1. **Push.** Each worker writes its value into its slot of the key's shared-memory segment (all
    keys of a call at once, so that a call meets the others twice whatever its key count); once
    all k have, each sums a 1/k slice of the key's elements over the k slots, in local-rank
-   order, into the segment's sum (a reduce-scatter; no bulk bytes through any socket); once all
+   order, into the segment's sum (a reduce-scatter; no bulk bytes through any socket). A key
+   whose values are on the GPUs has its slots and sum in GPU memory instead, which the host's
+   workers share through CUDA IPC (:mod:`kvstore.worker.host_gpu`; where every worker of the
+   host can map it, agreed at init), and is summed there. Once all
    k have, the owner of each chunk encodes it from the sum, with its own residual for that
    chunk, and pushes it. Every chunk is owned by one worker of the host
    (:meth:`HostGroup.plan`): chunks go to the least loaded worker, in init order, so each
@@ -56,6 +59,7 @@ from kvstore.config import ClusterConfig
 from kvstore.errors import KVStoreError, KVStoreTimeoutError, ServerLostError, WorkerLostError
 from kvstore.topology import WORD_ELEMS, Chunk, Key
 from kvstore.worker import values as vals
+from kvstore.worker.host_gpu import DeviceTable, DeviceTableError, synchronize_all
 from kvstore.worker.request import Deadline
 
 logger = logging.getLogger(__name__)
@@ -91,24 +95,35 @@ class HostKey:
 
     Attributes:
         index: the key's place in the group's init order (the same on every worker of the host).
-        slots: each local worker's last push, ``(k, numel)``.
-        sum: the host's sum of the last push.
-        result: the last pull's values, written by each chunk's owner.
+        segment: the key's host shared memory.
+        result: the last pull's values, written by each chunk's owner (host memory).
+        slots: each local worker's last push, ``(k, numel)``, in host memory (None where the
+            key's pushes are summed on the GPU).
+        sum: the host's sum of the last push, in host memory (None likewise).
+        gpu: the key's slots and sum in GPU memory, shared through CUDA IPC
+            (:mod:`kvstore.worker.host_gpu`), where the host's workers push GPU values and could
+            map it; else None.
         pushes, pulls: calls made so far.
     """
 
     index: int
     segment: shared_memory.SharedMemory
-    slots: np.ndarray
-    sum: np.ndarray
     result: np.ndarray
+    slots: np.ndarray | None = None
+    sum: np.ndarray | None = None
+    gpu: DeviceTable | None = None
     pushes: int = 0
     pulls: int = 0
 
     def release(self) -> None:
-        """Unmap the segment (the arrays must go first: they hold its buffer)."""
-        del self.slots, self.sum, self.result
+        """Unmap the segment (the arrays must go first: they hold its buffer) and the GPU
+        table."""
+        self.slots = self.sum = None
+        del self.result
         self.segment.close()
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
 
 
 def _alive(pid: int) -> bool:
@@ -156,6 +171,7 @@ class HostGroup:
         # (a store used from two threads runs their calls one after the other here)
         self._lock = threading.RLock()
         self._closed = False
+        self._said_host_memory = False
         try:
             self._inbox.bind(self._address(self.local_rank))
             for peer in sorted(self._peers):
@@ -287,15 +303,102 @@ class HostGroup:
                 owned.update(chunk.index for chunk in group)
         return owned
 
-    def add_key(self, key: Key, numel: int, dtype: str, deadline: Deadline) -> None:
-        """Map the key's segment: local worker 0 makes it, the others open it, and once all have
-        it is unlinked (it lives while a worker maps it)."""
-        with self._lock:
-            self._add_key(key, numel, dtype, deadline)
+    def add_key(
+        self, key: Key, numel: int, dtype: str, deadline: Deadline, device: int | None = None
+    ) -> None:
+        """Map the key's memory: local worker 0 makes it, the others open it, and once all have
+        it is unlinked (it lives while a worker maps it).
 
-    def _add_key(self, key: Key, numel: int, dtype: str, deadline: Deadline) -> None:
+        ``device`` is the CUDA device of this worker's values of the key (None: host values).
+        Where every worker of the host has one and each could map local worker 0's GPU table
+        (:mod:`kvstore.worker.host_gpu`), the key's pushes are summed there; otherwise in host
+        memory. The host's pulls land in host memory either way."""
+        with self._lock:
+            self._add_key(key, numel, dtype, deadline, device)
+
+    def _add_key(
+        self, key: Key, numel: int, dtype: str, deadline: Deadline, device: int | None
+    ) -> None:
         index = len(self._keys)
-        nbytes = max(1, (self.size + 2) * numel * np.dtype(dtype).itemsize)
+        gpu = self._gpu_table(key, index, numel, dtype, device, deadline)
+        try:
+            rows = 1 if gpu is not None else self.size + 2  # (a GPU key's pulls land here)
+            segment = self._map_segment(key, index, rows * numel, dtype, deadline)
+        except BaseException:
+            if gpu is not None:
+                gpu.close()
+            raise
+        table = np.ndarray((rows, numel), dtype=dtype, buffer=segment.buf)
+        if gpu is not None:
+            self._keys[key] = HostKey(index, segment, table[0], gpu=gpu)
+        else:
+            self._keys[key] = HostKey(index, segment, table[self.size + 1],
+                                      table[: self.size], table[self.size])  # fmt: skip
+
+    def _gpu_table(
+        self, key: Key, index: int, numel: int, dtype: str, device: int | None, deadline: Deadline
+    ) -> DeviceTable | None:
+        """The key's GPU table, where local worker 0 could make one and every other worker
+        of the host could open it; else None (every worker of the host agrees)."""
+        gpu: DeviceTable | None = None
+        reason = ""
+        if self.local_rank == 0:
+            if device is not None and numel:
+                try:
+                    gpu = DeviceTable.allocate(self.size + 1, numel, dtype, device)
+                except DeviceTableError as exc:
+                    reason = f"local worker 0 could not allocate it on device {device}: {exc}"
+            self._send(("table", index), None if gpu is None else gpu.handle)
+            if gpu is None:
+                self._say_why_host_memory(key, reason)
+                return None
+        else:
+            handle = self._wait(("table", index), deadline, senders={0}).get(0)
+            if handle is None:  # (worker 0's values are in host memory, or it failed)
+                return None
+            if device is not None:
+                try:
+                    gpu = DeviceTable.open(handle, self.size + 1, numel, dtype, device)
+                except DeviceTableError as exc:
+                    where = f"local worker {self.local_rank}"
+                    reason = f"{where} could not map it on device {device}: {exc}"
+            else:
+                reason = f"local worker {self.local_rank}'s values are in host memory"
+        # everyone says whether it has the table: it is used only if all have
+        try:
+            self._send(("table opened", index), gpu is not None)
+            opened = self._wait(("table opened", index), deadline)
+        except BaseException:
+            if gpu is not None:
+                gpu.close()
+            raise
+        if gpu is not None and all(opened.values()):
+            return gpu
+        if gpu is not None:
+            gpu.close()
+        if not reason:
+            refused = [self._rank_of(peer) for peer, has in sorted(opened.items()) if not has]
+            reason = f"worker rank(s) {refused} of this host could not use it (their log says why)"
+        self._say_why_host_memory(key, reason)
+        return None
+
+    def _say_why_host_memory(self, key: Key, reason: str) -> None:
+        """Log (once per worker) why a key of GPU values is summed in host memory."""
+        if reason and not self._said_host_memory:
+            self._said_host_memory = True
+            logger.warning(
+                "the GPU values of key %r (and of any later key like it) are summed in host "
+                "memory, not on the GPUs through CUDA IPC: %s",
+                key,
+                reason,
+            )
+
+    def _map_segment(
+        self, key: Key, index: int, numel: int, dtype: str, deadline: Deadline
+    ) -> shared_memory.SharedMemory:
+        """The key's host shared memory of ``numel`` elements, mapped by every worker of the
+        host (made by local worker 0, unlinked once all mapped it)."""
+        nbytes = max(1, numel * np.dtype(dtype).itemsize)
         name = f"pskv-{self.tag}-{os.getpid() if self.local_rank == 0 else 0}-{index}"
         failed: BaseException | None = None
         segment = None
@@ -322,12 +425,17 @@ class HostGroup:
         assert segment is not None
         try:
             self.meet(("mapped", index), deadline)
+        except BaseException:
+            segment.close()
+            raise
         finally:
             if self.local_rank == 0:
                 segment.unlink()
-        table = np.ndarray((self.size + 2, numel), dtype=dtype, buffer=segment.buf)
-        self._keys[key] = HostKey(index, segment, table[: self.size], table[self.size],
-                                  table[self.size + 1])  # fmt: skip
+        return segment
+
+    def summed_on_gpu(self, key: Key) -> bool:
+        """Whether the host sums ``key``'s pushes on the GPU (through CUDA IPC)."""
+        return self._keys[key].gpu is not None
 
     # push and pull ---------------------------------------------------------------------------
     #
@@ -335,33 +443,48 @@ class HostGroup:
     # hundreds of tensors in one push): on a host whose cores are busy each meeting costs a
     # few scheduling turns, which one meeting per key would pay hundreds of times a step.
 
-    def host_sums(self, pairs: Sequence[tuple[Key, Any]], deadline: Deadline) -> list[np.ndarray]:
+    def host_sums(self, pairs: Sequence[tuple[Key, Any]], deadline: Deadline) -> list[Any]:
         """This worker's push of each ``(key, value)`` summed with its host's others': the
-        host's sum of each whole key, valid until this worker's next call of the keys."""
+        host's sum of each whole key (numpy, or CuPy for a key summed on the GPU), valid until
+        this worker's next call of the keys."""
         with self._lock:
             return self._host_sums(pairs, deadline)
 
-    def _host_sums(self, pairs: Sequence[tuple[Key, Any]], deadline: Deadline) -> list[np.ndarray]:
+    def _host_sums(self, pairs: Sequence[tuple[Key, Any]], deadline: Deadline) -> list[Any]:
         held = [self._keys[key] for key, _ in pairs]
         if not held:
             return []
         label = self._count(held, "push")
+        tables = [one.gpu for one in held if one.gpu is not None]
         failed: BaseException | None = None
         try:
             for one, (_, value) in zip(held, pairs, strict=True):
-                source = vals.host_copy(vals.flat_source(value))
-                np.copyto(one.slots[self.local_rank], source, casting="no")
+                if one.gpu is not None:
+                    one.gpu.write(self.local_rank, value)
+                else:
+                    assert one.slots is not None
+                    source = vals.host_copy(vals.flat_source(value))
+                    np.copyto(one.slots[self.local_rank], source, casting="no")
+            synchronize_all(tables)  # (before the others read the slots)
         except BaseException as exc:  # the others must not wait for these slots
             failed = exc
         self.meet((label, "written", held[0].pushes), deadline, failed)
-        for one in held:
-            start, stop = reduce_slice(one.sum.size, self.size, self.local_rank)
-            region = one.sum[start:stop]
-            np.copyto(region, one.slots[0, start:stop])
-            for slot in one.slots[1:]:
-                np.add(region, slot[start:stop], out=region)
-        self.meet((label, "summed", held[0].pushes), deadline)
-        return [one.sum for one in held]
+        try:
+            for one in held:
+                start, stop = reduce_slice(one.result.size, self.size, self.local_rank)
+                if one.gpu is not None:
+                    one.gpu.reduce(start, stop)
+                    continue
+                assert one.slots is not None and one.sum is not None
+                region = one.sum[start:stop]
+                np.copyto(region, one.slots[0, start:stop])
+                for slot in one.slots[1:]:
+                    np.add(region, slot[start:stop], out=region)
+            synchronize_all(tables)
+        except BaseException as exc:  # (a GPU that failed: the others must not wait either)
+            failed = exc
+        self.meet((label, "summed", held[0].pushes), deadline, failed)
+        return [one.gpu.sum if one.gpu is not None else one.sum for one in held]
 
     def pull_into(self, keys: Sequence[Key], deadline: Deadline) -> list[np.ndarray]:
         """Begin a pull of ``keys``: once every worker of the host is in it, the arrays the

@@ -258,6 +258,21 @@ def _cupy_stream(cupy: Any, torch_stream: Any) -> Any:
     return cupy.cuda.ExternalStream(torch_stream.cuda_stream)
 
 
+def cuda_device_index(value: Any) -> int | None:
+    """The CUDA device of a GPU value that CuPy can work on (a CuPy array, or a CUDA tensor
+    with CuPy installed); None for host values."""
+    if is_cupy_array(value):
+        return int(value.device.id)
+    if _is_torch_tensor(value) and value.device.type == "cuda" and cupy_or_none() is not None:
+        return int(value.get_device())
+    return None
+
+
+def device_of(flat: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context that makes a CuPy array's device current (a no-op for host arrays)."""
+    return flat.device if is_cupy_array(flat) else contextlib.nullcontext()
+
+
 def gpu_device_of(flat: Any) -> Any:
     """The CuPy device of a CuPy array, or None for host arrays."""
     return flat.device if is_cupy_array(flat) else None

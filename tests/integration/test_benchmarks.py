@@ -65,6 +65,16 @@ def test_codec_benchmark_smoke():
     assert "machine" in records[-1]
 
 
+def test_host_reduce_benchmark_smoke():
+    records = [r for r in run("bench_host_reduce") if "path" in r]
+    assert [(r["path"], r["workers"]) for r in records] == [
+        ("shared_memory", 2),
+        ("shared_memory", 4),
+    ]
+    for record in records:  # (each worker checked its sums before timing)
+        assert record["floor_ms"] > 0 and record["reduce_ms"] > 0 and record["meeting_ms"] > 0
+
+
 def test_pushpull_benchmark_smoke():
     records = run("bench_pushpull")
     configs = {r.get("config") for r in records}

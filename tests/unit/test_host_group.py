@@ -193,3 +193,27 @@ def test_a_worker_waiting_long_for_its_host_says_why(monkeypatch, caplog):
     finally:
         for group in groups:
             group.close()
+
+
+def test_a_key_of_gpu_values_that_cannot_be_mapped_is_summed_in_host_memory(caplog):
+    # Workers that are threads of one process can never map each other's GPU memory (CUDA IPC
+    # refuses a handle in its own process), and without CuPy there is nothing to map: either
+    # way the host agrees to keep the key in host memory, and says why.
+    groups = _group(2)
+    try:
+        deadline = Deadline(10)
+        _together(groups, lambda g: g.add_key("w", 40, "float32", deadline, device=0))
+        assert [g.summed_on_gpu("w") for g in groups] == [False, False]
+        assert "summed in host memory, not on the GPUs through CUDA IPC" in caplog.text
+
+        def step(group: HostGroup) -> np.ndarray:
+            [total] = group.host_sums(
+                [("w", np.full(40, group.local_rank + 1, np.float32))], deadline
+            )
+            return total.copy()
+
+        for total in _together(groups, step):
+            np.testing.assert_array_equal(total, np.full(40, 3.0))
+    finally:
+        for group in groups:
+            group.close()
