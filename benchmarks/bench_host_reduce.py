@@ -4,19 +4,21 @@ run.
 k worker processes of one host (``kvstore.worker.host_group``, no servers) sum a key of M bytes
 per call: each copies its value into its slot (reads M, writes M), then sums its 1/k slice of the
 k slots into the host's sum (over all workers: reads kM, writes M). The host moves (3k + 1) M
-bytes per call, so its **floor** is those bytes at the copy bandwidth B that one copy of M bytes
-measures here (``2M / t_copy``): ``floor = (3k + 1) / 2 * t_copy``. The record gives the median
-call (``reduce_ms``), the copy it is measured against (``copy_ms``, worker 0, between the calls),
-the floor and the ratio; ``meeting_ms`` is the median call of a 16-element key, the fixed cost of
-the host's two meetings.
+bytes per call. The baseline, timed between the calls: every worker copies its value into a
+buffer of its own at once, then they meet (``copy_ms``: 2kM bytes, at the bandwidth the k
+workers get together, and one meeting). The **floor** is the call's bytes at that bandwidth,
+``floor = (3k + 1) / 2k * copy_ms``; ``ratio_to_floor`` is the median call (``reduce_ms``, two
+meetings) over it. ``meeting_ms`` is the median call of a 16-element key: the fixed cost of the
+host's two meetings.
 
 With ``--gpu`` (CuPy and a device), the k processes share the one GPU and sum CuPy values in GPU
-memory that they map through CUDA IPC (:mod:`kvstore.worker.host_gpu`), against a
-device-to-device copy; the same values summed through host memory (the path a host whose GPUs
-cannot map each other's memory takes: each value copied to the host) are timed too, as
-``path: host_memory``. Without ``--gpu`` the values and the sum are in host shared memory.
+memory that they map through CUDA IPC (:mod:`kvstore.worker.host_gpu`), against device-to-device
+copies; the same values summed through host memory (the path a host whose GPUs cannot map each
+other's memory takes: each value copied to the host) are timed too, as ``path: host_memory``,
+against the same device copies. Without ``--gpu`` the values and the sum are in host shared
+memory.
 
-Every call's sum is checked (integer-valued values) before anything is timed.
+Every path's sum is checked (integer-valued values) before anything is timed.
 
     python -m benchmarks.bench_host_reduce --preset smoke
     python -m benchmarks.bench_host_reduce --preset full --gpu
@@ -43,20 +45,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _copy_seconds(xp: Any, source: Any, target: Any) -> float:
+def _copy(xp: Any, source: Any, target: Any) -> None:
     """One copy of ``source`` into ``target``, waited for."""
-    start = time.perf_counter()
     if xp is np:
         np.copyto(target, source)
     else:
         target[...] = source
         xp.cuda.Device().synchronize()
-    return time.perf_counter() - start
 
 
 def _worker(local_rank: int, size: int, numel: int, gpu: bool, repeats: int, tag: str) -> None:
-    """One worker of the host: time ``repeats`` host sums of each path; worker 0 prints the
-    medians (and its copy's) as one JSON line."""
+    """One worker of the host: time ``repeats`` host sums of each path, and the host's copies
+    between them; worker 0 prints its medians as one JSON line."""
     from kvstore.config import ClusterConfig
     from kvstore.worker.host_group import HostGroup
     from kvstore.worker.request import Deadline
@@ -93,12 +93,14 @@ def _worker(local_rank: int, size: int, numel: int, gpu: bool, repeats: int, tag
                 start = time.perf_counter()
                 host.host_sums([(f"{path}/meeting", small)], deadline)
                 meetings.append(time.perf_counter() - start)
-                if local_rank == 0:
-                    copies.append(_copy_seconds(xp, value, copy_target))
+                start = time.perf_counter()
+                _copy(xp, value, copy_target)
+                host.meet(("copied", path, len(copies)), deadline)
+                copies.append(time.perf_counter() - start)
             out[path] = {
                 "reduce": statistics.median(calls),
                 "meeting": statistics.median(meetings),
-                "copy": statistics.median(copies) if copies else None,
+                "copy": statistics.median(copies),
             }
         if local_rank == 0:
             print(json.dumps(out), flush=True)
@@ -145,8 +147,8 @@ def run(mbytes: int, workers: int, gpu: bool, repeats: int) -> list[dict[str, An
     measured = json.loads(outputs[0])
     records = []
     for path, times in measured.items():
-        # the copy is of the device the path's values are on (the GPU's for both GPU paths)
-        floor = (3 * workers + 1) / 2 * times["copy"]
+        # (the copies are of the memory the values are on: the GPU's for both GPU paths)
+        floor = (3 * workers + 1) / (2 * workers) * times["copy"]
         records.append(
             {
                 "bench": "host_reduce",
@@ -158,7 +160,7 @@ def run(mbytes: int, workers: int, gpu: bool, repeats: int) -> list[dict[str, An
                 "copy_ms": round(times["copy"] * 1e3, 3),
                 "floor_ms": round(floor * 1e3, 3),
                 "ratio_to_floor": round(times["reduce"] / floor, 2),
-                "copy_gbps": round(2 * mbytes / 1e3 / times["copy"], 1),
+                "copy_gbps": round(2 * workers * mbytes / 1e3 / times["copy"], 1),
                 "meeting_ms": round(times["meeting"] * 1e3, 3),
             }
         )

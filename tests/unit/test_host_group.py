@@ -15,7 +15,7 @@ import pytest
 from kvstore.config import ClusterConfig
 from kvstore.errors import ConfigError, KVStoreError, KVStoreTimeoutError, WorkerLostError
 from kvstore.topology import Chunk
-from kvstore.worker.host_group import HostGroup, group_tag, reduce_slice
+from kvstore.worker.host_group import HostGroup, group_tag, reduce_slice, sum_slots
 from kvstore.worker.request import Deadline
 
 SERVERS = ("tcp://127.0.0.1:1",)
@@ -49,6 +49,21 @@ def test_reduce_slices_cover_the_key_once_on_word_boundaries():
             assert slices[0][0] == 0 and slices[-1][1] == numel
             for (_, stop), (start, _) in zip(slices, slices[1:], strict=False):
                 assert stop == start and (start % 16 == 0 or start == numel)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_a_slice_sums_its_slots_in_row_order_block_by_block(monkeypatch, rows):
+    import kvstore.worker.host_group as host_group
+
+    monkeypatch.setattr(host_group, "_SUM_BLOCK", 64)  # many blocks, the last one short
+    slots = np.random.default_rng(rows).normal(size=(rows, 1000)).astype(np.float32)
+    out = np.full(1000, -1.0, np.float32)
+    sum_slots(slots, 37, 901, out)
+    expected = slots[0].copy()
+    for slot in slots[1:]:
+        expected += slot  # one float32 add per row, in row order: the same bits
+    np.testing.assert_array_equal(out[37:901], expected[37:901])
+    assert (out[:37] == -1).all() and (out[901:] == -1).all()
 
 
 def test_chunks_go_to_the_least_loaded_worker_and_whole_key_codecs_to_one():
