@@ -66,7 +66,8 @@ class DDPHookState:
                     f"the servers run {self.kv.optimizer!r}, so pulls are weights, not "
                     f"gradient sums: the DDP hook needs a store without a server optimizer"
                 )
-            zeros = torch.zeros(buffer.shape, dtype=buffer.dtype)
+            # (on the bucket's device: a host's workers sum GPU keys on their GPUs)
+            zeros = torch.zeros(buffer.shape, dtype=buffer.dtype, device=buffer.device)
             self.kv.init(key, zeros, compression=self.compression)
             self._keys.add(key)
         return key

@@ -260,9 +260,9 @@ class DistributedOptimizer(StoreWrappedOptimizer):
             if bucket.flat is None:
                 return params[0]
             return torch.cat([p.reshape(-1) for p in params])
-        if bucket.flat is None:
-            return torch.zeros(params[0].shape, dtype=params[0].dtype)
-        return torch.zeros(bucket.flat.shape, dtype=bucket.flat.dtype)
+        # (on the parameters' device: a host's workers sum GPU keys on their GPUs)
+        first = params[0] if bucket.flat is None else bucket.flat
+        return torch.zeros(first.shape, dtype=first.dtype, device=first.device)
 
     # the optimizer's face (the rest is StoreWrappedOptimizer's) ---------------------------------
 
