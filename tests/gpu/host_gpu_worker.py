@@ -8,6 +8,8 @@ never the process's own), and all of them use the one GPU.
 * ``job``: a real job (servers at SERVERS): every rank pushes the same pseudo-random values,
   from PLACE (``cupy``: CuPy arrays; ``host``: numpy) with CODEC (``none`` or ``2bit``), and
   pulls; what it pulled is saved.
+* ``torch``: ``kvstore.torch.DistributedOptimizer`` trains a small model on PLACE (``cuda`` or
+  ``cpu``) for 3 steps; its weights, and whether its keys were summed on the GPU, are saved.
 """
 
 from __future__ import annotations
@@ -109,9 +111,43 @@ def job(outdir: Path, local_rank: int, local_size: int, args: list[str]) -> None
     np.savez(outdir / f"job_{place}_{codec}_{rank}.npz", **saved)
 
 
+def train(outdir: Path, local_rank: int, local_size: int, args: list[str]) -> None:
+    import torch
+
+    import kvstore
+    import kvstore.torch as kvt
+
+    servers, rank, num_workers, place = args
+    torch.manual_seed(0)  # every rank starts from the same weights
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    model = model.to(place)
+    kv = kvstore.create("dist_sync", servers=servers.split(","), rank=int(rank),
+                        num_workers=int(num_workers), local_rank=local_rank,
+                        local_size=local_size, timeout=60)  # fmt: skip
+    with kv:
+        opt = kvt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            model.named_parameters(),
+            kv=kv,
+        )
+        for step in range(STEPS):
+            gen = torch.Generator().manual_seed(100 * int(rank) + step)
+            x = torch.randn(8, 6, generator=gen).to(place)
+            y = torch.randint(0, 3, (8,), generator=gen).to(place)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        saved = {f"on_gpu/{key}": np.array(kv._host.summed_on_gpu(key)) for key in opt.keys}
+    for name, value in model.state_dict().items():
+        saved[name] = value.detach().cpu().numpy()
+    np.savez(outdir / f"torch_{place}_{rank}.npz", **saved)
+
+
 if __name__ == "__main__":
     scenario, out, local_rank, local_size, *rest = sys.argv[1:]
     if scenario == "group":
         group(Path(out), int(local_rank), int(local_size))
+    elif scenario == "torch":
+        train(Path(out), int(local_rank), int(local_size), rest)
     else:
         job(Path(out), int(local_rank), int(local_size), rest)

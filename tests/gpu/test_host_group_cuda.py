@@ -43,6 +43,22 @@ def _run_workers(argvs: list[list[str]]) -> None:
         assert process.returncode == 0, error.decode()[-3000:]
 
 
+def _run_job(scenario: list[str], workers: int, local_size: int, outdir: Path) -> None:
+    """Run ``scenario`` (its name, then its arguments after the job's) as a job of its own:
+    2 servers, and ``workers`` worker processes in hosts of ``local_size``."""
+    name, *args = scenario
+    servers = start_servers(2, workers)
+    try:
+        addresses = ",".join(s.address for s in servers)
+        _run_workers([
+            [name, str(outdir), str(r % local_size), str(local_size), addresses, str(r),
+             str(workers), *args]
+            for r in range(workers)
+        ])  # fmt: skip
+    finally:
+        stop_processes([s.process for s in servers])
+
+
 def _oracle(ranks: list[int], step: int, shape: tuple[int, ...]) -> np.ndarray:
     """The host's sum in local-rank order, one float32 add at a time."""
     total = values(ranks[0], step, shape).copy()
@@ -72,17 +88,8 @@ def test_processes_on_one_gpu_sum_through_cuda_ipc_as_host_memory_does(tmp_path,
 @pytest.mark.parametrize("codec", ["none", "2bit"])
 def test_a_job_of_gpu_hosts_pulls_what_the_same_job_from_host_memory_pulls(tmp_path, codec):
     workers, local_size = 4, 2
-    servers = start_servers(2, workers)
-    try:
-        addresses = ",".join(s.address for s in servers)
-        for place in ("cupy", "host"):
-            _run_workers([
-                ["job", str(tmp_path), str(r % local_size), str(local_size), addresses, str(r),
-                 str(workers), place, codec]
-                for r in range(workers)
-            ])  # fmt: skip
-    finally:
-        stop_processes([s.process for s in servers])
+    for place in ("cupy", "host"):
+        _run_job(["job", place, codec], workers, local_size, tmp_path)
     for rank in range(workers):
         gpu = dict(np.load(tmp_path / f"job_cupy_{codec}_{rank}.npz"))
         host = dict(np.load(tmp_path / f"job_host_{codec}_{rank}.npz"))
@@ -97,3 +104,18 @@ def test_a_job_of_gpu_hosts_pulls_what_the_same_job_from_host_memory_pulls(tmp_p
             for step in range(STEPS):
                 hosts = _oracle([0, 1], step, shape) + _oracle([2, 3], step, shape)
                 np.testing.assert_allclose(pulled[f"{key}/{step}"], hosts, rtol=1e-6, atol=1e-6)
+
+
+def test_kvstore_torch_on_gpu_hosts_sums_on_the_gpus_and_trains_as_on_the_cpu(tmp_path):
+    pytest.importorskip("torch")
+    workers, local_size = 4, 2
+    for place in ("cuda", "cpu"):
+        _run_job(["torch", place], workers, local_size, tmp_path)
+    cpu = dict(np.load(tmp_path / "torch_cpu_0.npz"))
+    for rank in range(workers):
+        gpu = dict(np.load(tmp_path / f"torch_cuda_{rank}.npz"))
+        flags = {k: v for k, v in gpu.items() if k.startswith("on_gpu/")}
+        assert flags and all(bool(v) for v in flags.values()), flags
+        for name, value in gpu.items():
+            if not name.startswith("on_gpu/"):  # (cuBLAS rounds its products its own way)
+                np.testing.assert_allclose(value, cpu[name], rtol=1e-4, atol=1e-5, err_msg=name)
