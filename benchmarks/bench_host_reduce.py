@@ -45,15 +45,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _copy(xp: Any, source: Any, target: Any) -> None:
-    """One copy of ``source`` into ``target``, waited for."""
-    if xp is np:
-        np.copyto(target, source)
-    else:
-        target[...] = source
-        xp.cuda.Device().synchronize()
-
-
 def _worker(local_rank: int, size: int, numel: int, gpu: bool, repeats: int, tag: str) -> None:
     """One worker of the host: time ``repeats`` host sums of each path, and the host's copies
     between them; worker 0 prints its medians as one JSON line."""
@@ -94,7 +85,9 @@ def _worker(local_rank: int, size: int, numel: int, gpu: bool, repeats: int, tag
                 host.host_sums([(f"{path}/meeting", small)], deadline)
                 meetings.append(time.perf_counter() - start)
                 start = time.perf_counter()
-                _copy(xp, value, copy_target)
+                copy_target[...] = value
+                if gpu:
+                    xp.cuda.Device().synchronize()
                 host.meet(("copied", path, len(copies)), deadline)
                 copies.append(time.perf_counter() - start)
             out[path] = {

@@ -579,8 +579,8 @@ class KVStore:
         assert self._host is not None
         totals = self._host.host_sums([(state.key, v) for state, v in work], deadline)
         for (state, value), total in zip(work, totals, strict=True):
-            # (a sum on a GPU is encoded there, on the stream of the value it came from)
-            with vals.device_stream(value), vals.device_of(total):
+            # (a sum on a GPU is encoded on its device, on the stream of the value it came from)
+            with vals.device_stream(value):
                 self._pushes.send(state, total, Op.PUSH, priority, deadline=deadline)
 
     def _pull_for_host(

@@ -126,7 +126,7 @@ class DeviceTable:
     def write(self, row: int, value: Any) -> None:
         """Copy ``value`` (a user value: CuPy, a CUDA tensor, or host memory) into slot
         ``row``, ordered after the work that made it (a CUDA tensor's on torch's current
-        stream). Asynchronous: :meth:`synchronize` before another process reads it."""
+        stream). Asynchronous: :func:`synchronize_all` before another process reads it."""
         cupy = _cupy()
         with vals.device_stream(value):
             source = vals.flat_source(value)
@@ -138,20 +138,20 @@ class DeviceTable:
                     slot[...] = source
 
     def reduce(self, start: int, stop: int) -> None:
-        """Sum elements ``[start, stop)`` of every slot into the sum, in slot order (the order
-        the host-memory path adds them in, so that both give the same bits). Asynchronous."""
+        """Sum elements ``[start, stop)`` of every slot into the sum, in slot order (the adds
+        of :func:`~kvstore.worker.host_group.sum_slots`, so that both give the same bits).
+        Asynchronous."""
         cupy = _cupy()
         if start >= stop:
             return
         with cupy.cuda.Device(self.device_id):
             region = self.sum[start:stop]
-            region[...] = self.slots[0, start:stop]
-            for slot in self.slots[1:]:
+            if len(self.slots) == 1:
+                region[...] = self.slots[0, start:stop]
+                return
+            cupy.add(self.slots[0, start:stop], self.slots[1, start:stop], out=region)
+            for slot in self.slots[2:]:
                 cupy.add(region, slot[start:stop], out=region)
-
-    def synchronize(self) -> None:
-        """Wait until the work queued on this table's device (every stream) is done."""
-        _cupy().cuda.Device(self.device_id).synchronize()
 
     def close(self) -> None:
         """Unmap an opened table, or free a made one (idempotent)."""

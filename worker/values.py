@@ -230,11 +230,16 @@ class FlatTarget:
 
 @contextlib.contextmanager
 def device_stream(value: Any) -> Iterator[None]:
-    """Run GPU work for a CUDA tensor on torch's current stream (a no-op otherwise).
+    """Run GPU work for a GPU value on its device: a CUDA tensor's on torch's current stream, a
+    CuPy array's on CuPy's current stream of its device (a no-op for host values).
 
     CuPy then orders its kernels after the work that produced the tensor (backward) without a
-    device-wide synchronization.
+    device-wide synchronization, and works on the array's device whichever is current.
     """
+    if is_cupy_array(value):
+        with value.device:
+            yield
+        return
     if not (_is_torch_tensor(value) and value.device.type == "cuda"):
         yield
         return
@@ -266,11 +271,6 @@ def cuda_device_index(value: Any) -> int | None:
     if _is_torch_tensor(value) and value.device.type == "cuda" and cupy_or_none() is not None:
         return int(value.get_device())
     return None
-
-
-def device_of(flat: Any) -> contextlib.AbstractContextManager[Any]:
-    """A context that makes a CuPy array's device current (a no-op for host arrays)."""
-    return flat.device if is_cupy_array(flat) else contextlib.nullcontext()
 
 
 def gpu_device_of(flat: Any) -> Any:
